@@ -1,0 +1,356 @@
+"""Backward passes for the forward-only kernels vLLM 0.20 runs for Qwen3 in batch-invariant mode.
+
+vLLM's kernels compute forward passes only. Each `torch.autograd.Function` below runs, on CUDA,
+the very kernel vLLM runs (so the trainer's forward bits are vLLM's bits) and, on the CPU, a
+plain-PyTorch reference of the same math (so the whole model also trains without a GPU). Every
+backward is written in plain PyTorch (cuBLAS and PyTorch's fused flash-attention backward on the
+GPU): gradients must be correct and deterministic, not batch-invariant.
+
+Nothing here changes global state. A model picks its kernels explicitly: `EXACT` (these Functions)
+or `REFERENCE` (the plain-PyTorch functions under ordinary autograd, the ground truth in tests).
+
+Shapes: T tokens packed back to back (no padding), H query heads, Hk key/value heads, D head dim.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32 for bf16/fp16/fp32 tensors, fp64 for fp64 ones (gradcheck)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain-PyTorch references (CPU forward of each Function, and ground truth under autograd)
+# ---------------------------------------------------------------------------------------------
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)  # (T, K) @ (N, K)^T -> (T, N)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # vLLM's Triton kernel: fp32 sum of squares per row, x * rsqrt(mean + eps) * w in fp32,
+    # one rounding to the input dtype at the end.
+    xf = x.to(_acc(x.dtype))
+    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * inv_rms * weight.to(xf.dtype)).to(x.dtype)
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.to(_acc(gate_up.dtype)).chunk(2, dim=-1)  # (T, 2I) -> 2 x (T, I)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Neox-style rotary: the first and second halves of each head are the pairs rotated.
+    x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
+    cos, sin = cos_sin_cache[positions].to(_acc(dtype)).chunk(2, dim=-1)  # 2 x (T, D/2)
+    return cos[:, None, :], sin[:, None, :]  # broadcast over heads
+
+
+def rotary_reference(q, k, positions, cos_sin_cache):
+    """q (T, H, D), k (T, Hk, D) rotated by the angles of `positions` in `cos_sin_cache`."""
+    cos, sin = _cos_sin(positions, cos_sin_cache, q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _causal_attention_one_sequence(q, k, v, scale):
+    """q (L, H, D), k and v (L, Hk, D) -> out (L, H, D), lse (H, L), probabilities (H, L, L)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    L = q.shape[0]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (H, L)
+    probs = torch.exp(scores - lse[..., None])
+    return torch.einsum("hqk,khd->qhd", probs, v), lse, probs
+
+
+def attention_reference(q, k, v, cu_seqlens, scale):
+    """Causal attention over packed sequences, one sequence at a time (T x T per sequence: the
+    CPU reference only). Returns out (T, H, D) in q's dtype and lse (H, T) in fp32/fp64."""
+    acc = _acc(q.dtype)
+    outs, lses = [], []
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        out, lse, _ = _causal_attention_one_sequence(
+            q[start:end].to(acc), k[start:end].to(acc), v[start:end].to(acc), scale
+        )
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
+
+
+def token_logprobs_reference(logits: torch.Tensor, targets: torch.Tensor):
+    """logits (C, V), targets (C,) -> logprob of each target (C,) and entropy of each row (C,)."""
+    logprobs = torch.log_softmax(logits.to(_acc(logits.dtype)), dim=-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd Functions: vLLM's kernel forward on CUDA, reference forward on the CPU
+# ---------------------------------------------------------------------------------------------
+
+
+class BatchInvariantLinear(torch.autograd.Function):
+    """`vllm.model_executor.layers.batch_invariant.linear_batch_invariant`: vLLM's Triton persistent
+    matmul (fp32 accumulation, tiles fixed whatever the number of rows), the op behind every linear
+    layer of vLLM in batch-invariant mode. Backward: dx = dy @ W and dW = dy^T @ x (cuBLAS)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        if x.is_cuda:
+            from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
+
+            return linear_batch_invariant(x, weight)
+        return linear_reference(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad_out.t() @ x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+class BatchInvariantRMSNorm(torch.autograd.Function):
+    """`rms_norm_batch_invariant`: vLLM's Triton RMSNorm, one program per row. With the fused
+    add+norm replaced by a bf16 add and this kernel (see simple_rl.py), it is every norm of the model.
+    Backward, with r = rsqrt(mean(x^2) + eps) and gw = dy * w:
+    dx = r * (gw - x * r^2 * mean(gw * x)), dw = sum over rows of dy * x * r."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        if x.is_cuda:
+            from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+            return rms_norm_batch_invariant(x, weight, eps)
+        return rms_norm_reference(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        acc = _acc(x.dtype)
+        xf, g = x.to(acc), grad_out.to(acc)
+        inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        gw = g * weight.to(acc)
+        grad_x = inv_rms * (gw - xf * inv_rms.pow(2) * (gw * xf).mean(-1, keepdim=True))
+        grad_w = (g * xf * inv_rms).reshape(-1, x.shape[-1]).sum(0)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+class SiluAndMul(torch.autograd.Function):
+    """`torch.ops._C.silu_and_mul`: vLLM's SwiGLU kernel, silu(gate) * up over [gate; up].
+    Backward, with s = sigmoid(gate): d gate = dy * up * s * (1 + gate * (1 - s)),
+    d up = dy * silu(gate)."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        if gate_up.is_cuda:
+            import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+            out = gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,))
+            torch.ops._C.silu_and_mul(out, gate_up)
+            return out
+        return silu_and_mul_reference(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (gate_up,) = ctx.saved_tensors
+        acc = _acc(gate_up.dtype)
+        gate, up = gate_up.to(acc).chunk(2, dim=-1)
+        g = grad_out.to(acc)
+        s = torch.sigmoid(gate)
+        grad_gate = g * up * s * (1 + gate * (1 - s))
+        grad_up = g * gate * s
+        return torch.cat((grad_gate, grad_up), dim=-1).to(gate_up.dtype)
+
+
+class Rotary(torch.autograd.Function):
+    """`torch.ops._C.rotary_embedding`: vLLM's neox-style rotary kernel (in place in vLLM, on copies
+    here). A rotation is orthogonal, so the backward is the inverse rotation (angle -> -angle)."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, cos_sin_cache):
+        ctx.save_for_backward(positions, cos_sin_cache)
+        if q.is_cuda:
+            import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+            T, H, D = q.shape
+            q_rot, k_rot = q.clone(), k.clone()
+            # vLLM hands the kernel (T, heads * D) views, as the attention layer sees them.
+            torch.ops._C.rotary_embedding(
+                positions, q_rot.view(T, -1), k_rot.view(T, -1), D, cos_sin_cache, True
+            )
+            return q_rot, k_rot
+        return rotary_reference(q, k, positions, cos_sin_cache)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        positions, cos_sin_cache = ctx.saved_tensors
+        cos, sin = _cos_sin(positions, cos_sin_cache, grad_q.dtype)
+        return _rotate(grad_q, cos, -sin), _rotate(grad_k, cos, -sin), None, None
+
+
+class FlashAttention(torch.autograd.Function):
+    """`vllm.vllm_flash_attn.flash_attn_varlen_func` with FlashAttention 3, causal, `num_splits=1`
+    (vLLM's batch-invariant setting), GQA without repeating k/v. Backward: PyTorch's fused
+    flash-attention backward from the forward's output and log-sum-exp (memory O(T), no T x T)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
+        if q.is_cuda:
+            from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+            out, lse = flash_attn_varlen_func(
+                q, k, v,
+                max_seqlen_q=max_seqlen, cu_seqlens_q=cu_seqlens,
+                max_seqlen_k=max_seqlen, cu_seqlens_k=cu_seqlens,
+                softmax_scale=scale, causal=True, return_softmax_lse=True,
+                num_splits=1, fa_version=3,
+            )  # fmt: skip
+        else:
+            out, lse = attention_reference(q, k, v, cu_seqlens, scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        if q.is_cuda:
+            no_dropout_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+            grad_q, grad_k, grad_v = torch.ops.aten._flash_attention_backward(
+                grad_out.contiguous(), q, k, v, out, lse,
+                cu_seqlens, cu_seqlens, ctx.max_seqlen, ctx.max_seqlen,
+                0.0, True, no_dropout_rng, torch.empty(0, device=q.device), scale=ctx.scale,
+            )  # fmt: skip
+        else:
+            grad_q, grad_k, grad_v = _attention_backward_reference(
+                grad_out, q, k, v, out, lse, cu_seqlens, ctx.scale
+            )
+        return grad_q, grad_k, grad_v, None, None, None
+
+
+def _attention_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens, scale):
+    """The flash-attention backward, one sequence at a time: P = exp(scale q k^T - lse),
+    dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q."""
+    acc = _acc(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    grads = [torch.zeros_like(t, dtype=acc) for t in (q, k, v)]
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        s = slice(start, end)
+        qs, dO, O = q[s].to(acc), grad_out[s].to(acc), out[s].to(acc)
+        ks = k[s].to(acc).repeat_interleave(group, dim=1)
+        vs = v[s].to(acc).repeat_interleave(group, dim=1)
+        L = end - start
+        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        probs = torch.exp(scores - lse[:, s, None].to(acc)).masked_fill(~causal, 0.0)
+        dv = torch.einsum("hqk,qhd->khd", probs, dO)
+        dp = torch.einsum("qhd,khd->hqk", dO, vs)
+        ds = probs * (dp - (dO * O).sum(-1).t()[..., None])
+        dq = torch.einsum("hqk,khd->qhd", ds, ks) * scale
+        dk = torch.einsum("hqk,qhd->khd", ds, qs) * scale
+        # GQA: a key/value head's gradient sums over the query heads of its group.
+        grads[0][s] = dq
+        grads[1][s] = dk.unflatten(1, (-1, group)).sum(2)
+        grads[2][s] = dv.unflatten(1, (-1, group)).sum(2)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """vLLM's batch-invariant Triton `log_softmax` over fp32 logits (what the sampler returns as
+    raw logprobs), gathered at the target tokens, plus each row's entropy. Rows are processed in
+    chunks so the fp32 (C, V) temporaries stay bounded. Backward, with p = softmax(z):
+    d logp_t / dz = onehot(t) - p and dH/dz = -p * (log p + H)."""
+
+    ROWS_PER_CHUNK_TIMES_VOCAB = 2**28  # 1 GiB of fp32 per temporary
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        rows = max(1, TokenLogprobs.ROWS_PER_CHUNK_TIMES_VOCAB // logits.shape[-1])
+        logprobs, entropy = [], []
+        for chunk, tgt in zip(logits.split(rows), targets.split(rows)):
+            if chunk.is_cuda:
+                from vllm.model_executor.layers.batch_invariant import log_softmax
+
+                lp = log_softmax(chunk.float())
+                logprobs.append(lp.gather(-1, tgt[:, None]).squeeze(-1))
+                entropy.append(-(lp.exp() * lp).sum(-1))
+            else:
+                lp_t, ent = token_logprobs_reference(chunk, tgt)
+                logprobs.append(lp_t)
+                entropy.append(ent)
+        logprobs, entropy = torch.cat(logprobs), torch.cat(entropy)
+        ctx.save_for_backward(logits, targets, entropy)
+        ctx.rows = rows
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, targets, entropy = ctx.saved_tensors
+        grads = []
+        for z, tgt, ent, g_lp, g_ent in zip(
+            *(t.split(ctx.rows) for t in (logits, targets, entropy, grad_logprobs, grad_entropy))
+        ):
+            lp = torch.log_softmax(z.to(_acc(z.dtype)), dim=-1)
+            p = lp.exp()
+            grad = -p * (g_lp[:, None] + g_ent[:, None] * (lp + ent[:, None]))
+            grad.scatter_add_(-1, tgt[:, None], g_lp[:, None])
+            grads.append(grad.to(logits.dtype))
+        return torch.cat(grads), None
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel sets a model is built with
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kernels:
+    linear: Callable
+    rms_norm: Callable
+    silu_and_mul: Callable
+    rotary: Callable
+    attention: Callable
+    token_logprobs: Callable
+
+
+# vLLM's kernels forward on CUDA (bitwise vLLM), references on the CPU; hand-written backwards.
+EXACT = Kernels(
+    linear=BatchInvariantLinear.apply,
+    rms_norm=BatchInvariantRMSNorm.apply,
+    silu_and_mul=SiluAndMul.apply,
+    rotary=Rotary.apply,
+    attention=FlashAttention.apply,
+    token_logprobs=TokenLogprobs.apply,
+)
+
+# Plain PyTorch under ordinary autograd: the ground truth the tests compare EXACT against.
+REFERENCE = Kernels(
+    linear=linear_reference,
+    rms_norm=rms_norm_reference,
+    silu_and_mul=silu_and_mul_reference,
+    rotary=rotary_reference,
+    attention=lambda q, k, v, cu_seqlens, max_seqlen, scale: attention_reference(
+        q, k, v, cu_seqlens, scale
+    )[0],
+    token_logprobs=token_logprobs_reference,
+)
