@@ -1,0 +1,145 @@
+"""On the GPU, against the real vLLM 0.20: the trainer's logprob of every sampled token equals
+vLLM's bit for bit, whatever the batch; weight pushes are exact; gradients are right.
+Run with VLLM_BATCH_INVARIANT=1 (the tests refuse to run without it). One engine per model for
+the whole session."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import qwen3_config, write_checkpoint
+
+import simple_rl
+from batch_invariant_backward import REFERENCE
+
+pytestmark = pytest.mark.gpu
+
+TINY = qwen3_config(hidden=256, layers=3, heads=4, kv_heads=2, head_dim=128, intermediate=512,
+                    vocab=4096, max_positions=2048)  # fmt: skip
+QWEN3_1P7B = qwen3_config(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=6144,
+                          vocab=151936, max_positions=40960)  # fmt: skip
+MEMORY_FRACTION = {"tiny": 0.08, "qwen3-1.7b-shape": 0.40}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def require_batch_invariance():
+    assert simple_rl.batch_invariant_enabled(), "run the GPU tests with VLLM_BATCH_INVARIANT=1"
+
+
+@pytest.fixture(scope="session", params=["tiny", "qwen3-1.7b-shape"])
+def served(request, tmp_path_factory):
+    """(engine, trainer model, config): a random checkpoint on disk, loaded by both sides."""
+    config = TINY if request.param == "tiny" else QWEN3_1P7B
+    ckpt = write_checkpoint(tmp_path_factory.mktemp(request.param), config, seed=0, device="cuda")
+    llm = simple_rl.start_vllm(ckpt, MEMORY_FRACTION[request.param], max_model_len=1024, seed=0)
+    model = simple_rl.load_qwen3(ckpt, "cuda")
+    return llm, model, config, request.param
+
+
+def sample(llm, vocab, n, seed):
+    """n completions of random prompts (20-400 tokens), 64-256 new tokens each, temperature 1."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(20, 401, (n,), generator=g).tolist()
+    new_tokens = torch.randint(64, 257, (n,), generator=g).tolist()
+    prompts = [torch.randint(0, vocab, (L,), generator=g).tolist() for L in prompt_lens]
+    completions, logprobs = simple_rl.generate(
+        llm, prompts, new_tokens, temperature=1.0, seeds=[seed * 100_000 + i for i in range(n)], ignore_eos=True
+    )
+    return prompts, completions, logprobs
+
+
+@torch.no_grad()
+def trainer_logprobs(model, prompts, completions, order, token_budget):
+    """Recompute in micro-batches packed in `order` up to `token_budget` tokens: compositions
+    that have nothing to do with vLLM's scheduling."""
+    out, batch = [None] * len(prompts), []
+    for i in order + [None]:
+        size = sum(len(prompts[j]) + len(completions[j]) for j in batch)
+        if batch and (i is None or size + len(prompts[i]) + len(completions[i]) > token_budget):
+            packed = simple_rl.pack_sequences([prompts[j] for j in batch], [completions[j] for j in batch], "cuda")
+            logprobs, _ = simple_rl.token_logprobs(model, packed)
+            for j, lp in zip(batch, logprobs.split(packed.completion_lens)):
+                out[j] = lp.cpu()
+            batch = []
+        if i is not None:
+            batch.append(i)
+    return out
+
+
+def count_mismatches(a, b):
+    return sum(int((x.view(torch.int32) != y.view(torch.int32)).sum()) for x, y in zip(a, b))
+
+
+def test_rotary_table_matches_vllm(served):
+    llm, model, _, _ = served
+    table = llm.apply_model(lambda m: m.model.layers[0].self_attn.rotary_emb.cos_sin_cache.cpu())[0]
+    assert table.dtype == model.cos_sin_cache.dtype
+    assert torch.equal(table.view(torch.int16), model.cos_sin_cache.cpu().view(torch.int16))
+
+
+def test_every_sampled_token_logprob_is_bitwise_vllms(served):
+    llm, model, config, name = served
+    n = 512
+    prompts, completions, vllm_lps = sample(llm, config["vocab_size"], n, seed=1)
+    total = sum(len(c) for c in completions)
+    g = torch.Generator().manual_seed(2)
+    for budget in (4096, 32768):
+        order = torch.randperm(n, generator=g).tolist()
+        ours = trainer_logprobs(model, prompts, completions, order, budget)
+        mismatched = count_mismatches(ours, vllm_lps)
+        print(f"\n[{name}] {n} samples, {total} sampled tokens, trainer batches of <= {budget} tokens "
+              f"in shuffled order: {mismatched} tokens differ")  # fmt: skip
+        assert mismatched == 0
+    # The same sequence alone gives the very bits it gets inside a batch.
+    for i in range(0, n, 64):
+        alone = trainer_logprobs(model, prompts[i:i + 1], completions[i:i + 1], [0], 1 << 30)[0]
+        assert torch.equal(alone.view(torch.int32), vllm_lps[i].view(torch.int32))
+
+
+def test_weight_push_is_exact_and_served(served):
+    llm, model, config, name = served
+    if name != "tiny":
+        pytest.skip("one model is enough for the push mechanics; the RL test pushes every step")
+    before = simple_rl.served_weights_checksum(llm)
+    assert before == simple_rl.weights_checksum(model.parameters())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    simple_rl.push_weights_to_vllm(llm, model)
+    after = simple_rl.served_weights_checksum(llm)
+    assert after != before and after == simple_rl.weights_checksum(model.parameters())
+    prompts, completions, vllm_lps = sample(llm, config["vocab_size"], 256, seed=3)
+    ours = trainer_logprobs(model, prompts, completions, list(range(256)), 16384)
+    assert count_mismatches(ours, vllm_lps) == 0
+
+
+def relative_error(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_gradients_match_autograd_within_bf16_tolerance(served):
+    """Trainer (vLLM forward kernels, hand-written backwards, bf16) against plain-PyTorch autograd:
+    its error to the fp32 reference is no worse than plain bf16 autograd's own error to it."""
+    _, model, config, name = served
+    args = model.args
+    if name != "tiny":
+        args = dataclasses.replace(args, n_layers=2)  # the 1.7B shape, 2 layers
+    weights = {k: v for k, v in model.state_dict().items() if not k.startswith("layers.") or int(k.split(".")[1]) < args.n_layers}
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, args.vocab_size, (n,), generator=g).tolist() for n in (300, 17, 257, 120)]
+    grads = {}
+    for label, kernels, dtype in (("exact", model.kernels, torch.bfloat16), ("bf16", REFERENCE, torch.bfloat16),
+                                  ("fp32", REFERENCE, torch.float32)):  # fmt: skip
+        with torch.device("cuda"):
+            m = simple_rl.Qwen3(args, kernels, dtype)
+        m.load_state_dict(weights)
+        batch = simple_rl.pack_sequences([s[:10] for s in seqs], [s[10:] for s in seqs], "cuda")
+        logprobs, entropy = simple_rl.token_logprobs(m, batch)
+        (logprobs.sum() / len(logprobs) + 0.01 * entropy.mean()).backward()
+        grads[label] = {n: p.grad for n, p in m.named_parameters()}
+    for n in grads["fp32"]:
+        err = relative_error(grads["exact"][n], grads["fp32"][n])
+        baseline = relative_error(grads["bf16"][n], grads["fp32"][n])
+        assert err <= 2 * baseline + 1e-3, f"{n}: {err:.2e} vs plain bf16 autograd {baseline:.2e}"
+    worst = max(relative_error(grads["exact"][n], grads["fp32"][n]) for n in grads["fp32"])
+    print(f"\n[{name}] worst gradient relative error vs fp32 autograd: {worst:.2e}")
