@@ -155,8 +155,9 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
 
 class SiluAndMul(torch.autograd.Function):
     """`torch.ops._C.silu_and_mul`: vLLM's SwiGLU kernel, silu(gate) * up over [gate; up].
-    Backward, with s = sigmoid(gate): d gate = dy * up * s * (1 + gate * (1 - s)),
-    d up = dy * silu(gate)."""
+    Backward: d up = dy * silu(gate), d gate = silu'(gate) * dy * up (PyTorch's fused
+    `silu_backward`), in the input dtype as plain autograd would: this is the widest activation,
+    so fp32 temporaries here would cost more memory traffic than the rest of the layer's backward."""
 
     @staticmethod
     def forward(ctx, gate_up):
@@ -172,13 +173,12 @@ class SiluAndMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (gate_up,) = ctx.saved_tensors
-        acc = _acc(gate_up.dtype)
-        gate, up = gate_up.to(acc).chunk(2, dim=-1)
-        g = grad_out.to(acc)
-        s = torch.sigmoid(gate)
-        grad_gate = g * up * s * (1 + gate * (1 - s))
-        grad_up = g * gate * s
-        return torch.cat((grad_gate, grad_up), dim=-1).to(gate_up.dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad.chunk(2, dim=-1)
+        torch.mul(grad_out, F.silu(gate), out=grad_up)
+        grad_gate.copy_(torch.ops.aten.silu_backward(grad_out * up, gate))
+        return grad
 
 
 class Rotary(torch.autograd.Function):
@@ -279,7 +279,8 @@ class TokenLogprobs(torch.autograd.Function):
     """vLLM's batch-invariant Triton `log_softmax` over fp32 logits (what the sampler returns as
     raw logprobs), gathered at the target tokens, plus each row's entropy. Rows are processed in
     chunks so the fp32 (C, V) temporaries stay bounded. Backward, with p = softmax(z):
-    d logp_t / dz = onehot(t) - p and dH/dz = -p * (log p + H)."""
+    d logp_t / dz = onehot(t) - p and dH/dz = -p * (log p + H); the entropy term is skipped when
+    nothing depends on the entropy."""
 
     ROWS_PER_CHUNK_TIMES_VOCAB = 2**28  # 1 GiB of fp32 per temporary
 
@@ -301,19 +302,24 @@ class TokenLogprobs(torch.autograd.Function):
         logprobs, entropy = torch.cat(logprobs), torch.cat(entropy)
         ctx.save_for_backward(logits, targets, entropy)
         ctx.rows = rows
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, targets, entropy = ctx.saved_tensors
+        n = logits.shape[0]
+        g_lp = grad_logprobs if grad_logprobs is not None else logits.new_zeros(n, dtype=entropy.dtype)
         grads = []
-        for z, tgt, ent, g_lp, g_ent in zip(
-            *(t.split(ctx.rows) for t in (logits, targets, entropy, grad_logprobs, grad_entropy))
-        ):
-            lp = torch.log_softmax(z.to(_acc(z.dtype)), dim=-1)
-            p = lp.exp()
-            grad = -p * (g_lp[:, None] + g_ent[:, None] * (lp + ent[:, None]))
-            grad.scatter_add_(-1, tgt[:, None], g_lp[:, None])
+        for i in range(0, n, ctx.rows):
+            rows = slice(i, i + ctx.rows)
+            lp = torch.log_softmax(logits[rows].to(_acc(logits.dtype)), dim=-1)
+            if grad_entropy is None:
+                grad = lp.exp_().mul_(-g_lp[rows, None])  # -p * g_lp
+            else:
+                g_ent = grad_entropy[rows, None]
+                grad = (lp + entropy[rows, None]).mul_(g_ent).add_(g_lp[rows, None]).mul_(-lp.exp())
+            grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
             grads.append(grad.to(logits.dtype))
         return torch.cat(grads), None
 

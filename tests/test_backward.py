@@ -71,3 +71,13 @@ def test_attention_reference_is_causal_per_sequence():
     out2, _ = bib.attention_reference(q, k2, v2, cu, 0.5)
     assert torch.equal(out[4:7], out2[4:7])
     assert not torch.equal(out[:4], out2[:4])
+
+
+def test_token_logprobs_backward_without_entropy():
+    """When only the logprobs are used, the backward takes its entropy-free path."""
+    torch.manual_seed(0)
+    logits, targets = torch.randn(9, 13, **f64), torch.randint(0, 13, (9,))
+    assert torch.autograd.gradcheck(lambda z: bib.TokenLogprobs.apply(z, targets)[0], (logits,))
+    (grad,) = torch.autograd.grad(bib.TokenLogprobs.apply(logits, targets)[0].sum(), logits)
+    (ref,) = torch.autograd.grad(bib.token_logprobs_reference(logits, targets)[0].sum(), logits)
+    torch.testing.assert_close(grad, ref, rtol=1e-12, atol=1e-12)
