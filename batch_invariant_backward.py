@@ -12,6 +12,7 @@ or `REFERENCE` (the plain-PyTorch functions under ordinary autograd, the ground 
 Shapes: T tokens packed back to back (no padding), H query heads, Hk key/value heads, D head dim.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -207,10 +208,23 @@ class Rotary(torch.autograd.Function):
         return _rotate(grad_q, cos, -sin), _rotate(grad_k, cos, -sin), None, None
 
 
+@contextmanager
+def _deterministic_algorithms():
+    """PyTorch's flash-attention backward accumulates dQ with atomics unless deterministic
+    algorithms are strictly on; switch them on for that one call and restore the caller's mode."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
 class FlashAttention(torch.autograd.Function):
     """`vllm.vllm_flash_attn.flash_attn_varlen_func` with FlashAttention 3, causal, `num_splits=1`
     (vLLM's batch-invariant setting), GQA without repeating k/v. Backward: PyTorch's fused
-    flash-attention backward from the forward's output and log-sum-exp (memory O(T), no T x T)."""
+    flash-attention backward from the forward's output and log-sum-exp (memory O(T), no T x T),
+    in its deterministic mode so that two runs give the same gradients bit for bit."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
@@ -235,11 +249,12 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         if q.is_cuda:
             no_dropout_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-            grad_q, grad_k, grad_v = torch.ops.aten._flash_attention_backward(
-                grad_out.contiguous(), q, k, v, out, lse,
-                cu_seqlens, cu_seqlens, ctx.max_seqlen, ctx.max_seqlen,
-                0.0, True, no_dropout_rng, torch.empty(0, device=q.device), scale=ctx.scale,
-            )  # fmt: skip
+            with _deterministic_algorithms():
+                grad_q, grad_k, grad_v = torch.ops.aten._flash_attention_backward(
+                    grad_out.contiguous(), q, k, v, out, lse,
+                    cu_seqlens, cu_seqlens, ctx.max_seqlen, ctx.max_seqlen,
+                    0.0, True, no_dropout_rng, torch.empty(0, device=q.device), scale=ctx.scale,
+                )  # fmt: skip
         else:
             grad_q, grad_k, grad_v = _attention_backward_reference(
                 grad_out, q, k, v, out, lse, cu_seqlens, ctx.scale

@@ -1,6 +1,7 @@
 """Shared fixtures. Tests marked `gpu` need CUDA (and vLLM 0.20); without a GPU they are skipped."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors.torch import save_file  # noqa: E402
 
-GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+# The real GSM8K jsonl files: ../shared/data/gsm8k beside the checkout (CI), or GSM8K_DIR (GPU machine).
+GSM8K_DIR = Path(os.environ.get("GSM8K_DIR", Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"))
 
 
 def pytest_configure(config):
@@ -73,9 +75,10 @@ def random_hf_weights(config: dict, seed: int = 0, dtype=torch.bfloat16, device=
     def norm(n):
         return (1 + 0.1 * torch.randn(n, generator=g, device=device)).to(dtype)
 
-    out = {"model.embed_tokens.weight": w(v, h, std=1.0), "model.norm.weight": norm(h)}
+    # Embedding std 3/sqrt(h): tied or not, logits then spread like a trained model's (std ~3).
+    out = {"model.embed_tokens.weight": w(v, h, std=3 * h**-0.5), "model.norm.weight": norm(h)}
     if not config["tie_word_embeddings"]:
-        out["lm_head.weight"] = w(v, h)
+        out["lm_head.weight"] = w(v, h, std=3 * h**-0.5)
     for n in range(config["num_hidden_layers"]):
         p = f"model.layers.{n}."
         out.update({
@@ -100,3 +103,42 @@ def write_checkpoint(directory: Path, config: dict, seed: int = 0, device="cpu")
 @pytest.fixture
 def tiny_checkpoint(tmp_path):
     return write_checkpoint(tmp_path / "tiny", qwen3_config())
+
+
+def write_tokenizer(directory: Path, texts, vocab_size: int = 1024):
+    """A byte-level BPE tokenizer trained on the spot (no hub here), saved in Hugging Face form with
+    '<|endoftext|>' as end of sequence. Returns the transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(texts, trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    hf_tok.save_pretrained(directory)
+    return hf_tok
+
+
+def gsm8k_rows(split: str, n: int | None = None) -> list[dict]:
+    with open(GSM8K_DIR / f"{split}.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    return rows[:n] if n else rows
+
+
+def write_gsm8k_model(directory: Path, seed: int = 0, device="cpu", **config_overrides) -> Path:
+    """A random Qwen3 with a GSM8K-trained tokenizer: a complete, offline simple_rl.py --model."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = gsm8k_rows("train", 2000)
+    tok = write_tokenizer(directory, [r["question"] + "\n" + r["answer"] for r in rows])
+    vocab = -(-len(tok) // 64) * 64  # vLLM pads embeddings to multiples of 64: keep them equal
+    config = qwen3_config(vocab=vocab, **config_overrides)
+    config["eos_token_id"] = config["bos_token_id"] = tok.eos_token_id
+    return write_checkpoint(directory, config, seed=seed, device=device)
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

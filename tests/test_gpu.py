@@ -31,19 +31,19 @@ def served(request, tmp_path_factory):
     """(engine, trainer model, config): a random checkpoint on disk, loaded by both sides."""
     config = TINY if request.param == "tiny" else QWEN3_1P7B
     ckpt = write_checkpoint(tmp_path_factory.mktemp(request.param), config, seed=0, device="cuda")
-    llm = simple_rl.start_vllm(ckpt, MEMORY_FRACTION[request.param], max_model_len=1024, seed=0)
+    engine = simple_rl.VLLMEngine(ckpt, MEMORY_FRACTION[request.param], max_model_len=1024, seed=0)
     model = simple_rl.load_qwen3(ckpt, "cuda")
-    return llm, model, config, request.param
+    return engine, model, config, request.param
 
 
-def sample(llm, vocab, n, seed):
+def sample(engine, vocab, n, seed):
     """n completions of random prompts (20-400 tokens), 64-256 new tokens each, temperature 1."""
     g = torch.Generator().manual_seed(seed)
     prompt_lens = torch.randint(20, 401, (n,), generator=g).tolist()
     new_tokens = torch.randint(64, 257, (n,), generator=g).tolist()
     prompts = [torch.randint(0, vocab, (L,), generator=g).tolist() for L in prompt_lens]
-    completions, logprobs = simple_rl.generate(
-        llm, prompts, new_tokens, temperature=1.0, seeds=[seed * 100_000 + i for i in range(n)], ignore_eos=True
+    completions, logprobs = engine.generate(
+        prompts, new_tokens, temperature=1.0, seeds=[seed * 100_000 + i for i in range(n)], ignore_eos=True
     )
     return prompts, completions, logprobs
 
@@ -71,16 +71,16 @@ def count_mismatches(a, b):
 
 
 def test_rotary_table_matches_vllm(served):
-    llm, model, _, _ = served
-    table = llm.apply_model(lambda m: m.model.layers[0].self_attn.rotary_emb.cos_sin_cache.cpu())[0]
+    engine, model, _, _ = served
+    table = engine.rotary_table()
     assert table.dtype == model.cos_sin_cache.dtype
     assert torch.equal(table.view(torch.int16), model.cos_sin_cache.cpu().view(torch.int16))
 
 
 def test_every_sampled_token_logprob_is_bitwise_vllms(served):
-    llm, model, config, name = served
+    engine, model, config, name = served
     n = 512
-    prompts, completions, vllm_lps = sample(llm, config["vocab_size"], n, seed=1)
+    prompts, completions, vllm_lps = sample(engine, config["vocab_size"], n, seed=1)
     total = sum(len(c) for c in completions)
     g = torch.Generator().manual_seed(2)
     for budget in (4096, 32768):
@@ -97,18 +97,18 @@ def test_every_sampled_token_logprob_is_bitwise_vllms(served):
 
 
 def test_weight_push_is_exact_and_served(served):
-    llm, model, config, name = served
+    engine, model, config, name = served
     if name != "tiny":
         pytest.skip("one model is enough for the push mechanics; the RL test pushes every step")
-    before = simple_rl.served_weights_checksum(llm)
+    before = engine.weights_checksum()
     assert before == simple_rl.weights_checksum(model.parameters())
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    simple_rl.push_weights_to_vllm(llm, model)
-    after = simple_rl.served_weights_checksum(llm)
+    engine.push_weights(model)
+    after = engine.weights_checksum()
     assert after != before and after == simple_rl.weights_checksum(model.parameters())
-    prompts, completions, vllm_lps = sample(llm, config["vocab_size"], 256, seed=3)
+    prompts, completions, vllm_lps = sample(engine, config["vocab_size"], 256, seed=3)
     ours = trainer_logprobs(model, prompts, completions, list(range(256)), 16384)
     assert count_mismatches(ours, vllm_lps) == 0
 

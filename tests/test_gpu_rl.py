@@ -1,0 +1,91 @@
+"""simple_rl.py end to end on the GPU: a small random Qwen3 with a tokenizer trained on the spot and
+the local GSM8K. With batch invariance on, every sampled token of every step is bitwise equal;
+off, the run completes and reports the mismatch. The final checkpoint loads in vLLM (bitwise the
+trainer's logprobs) and in transformers (the trainer's logits, fp32)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import GSM8K_DIR, write_gsm8k_model
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import simple_rl
+from batch_invariant_backward import REFERENCE
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 10
+TAGS = ["train/loss", "train/pg_loss", "train/kl_div", "train/entropy", "reward/reward_mean", "reward/reward_std",
+        "train/ratio_mean", "train/ratio_clipped_frac", "weight_delta/layer_00/magnitude",
+        "weight_delta/layer_00/relative_change", "parity/mismatched_tokens", "parity/max_abs_logprob_diff",
+        "parity/mean_abs_logprob_diff", "parity/vllm_kl", "perf/generate_tokens_per_s", "perf/train_tokens_per_s",
+        "time/generate", "time/logprobs", "time/train", "time/push", "eval/accuracy"]  # fmt: skip
+
+
+def run(tmp_path, model_dir, name, batch_invariant: bool):
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
+    flags = ["--model", str(model_dir), "--dataset", str(GSM8K_DIR / "train.jsonl"),
+             "--eval-dataset", str(GSM8K_DIR / "test.jsonl"), "--run-name", name, "--steps", str(STEPS),
+             "--prompts-per-step", "8", "--samples-per-prompt", "8", "--max-new-tokens", "128",
+             "--max-prompt-tokens", "256", "--lr", "1e-4", "--warmup-steps", "2", "--kl-coef", "0.01",
+             "--entropy-coef", "0.001", "--eval-every", "5", "--eval-samples", "64", "--vllm-gpu-memory", "0.12"]  # fmt: skip
+    if batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    else:
+        flags.append("--no-assert-bitwise")
+    result = subprocess.run([sys.executable, str(REPO / "simple_rl.py"), *flags], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return EventAccumulator(str(tmp_path / "runs" / name)).Reload()
+
+
+def values(events, tag):
+    return [e.value for e in events.Scalars(tag)]
+
+
+def test_rl_run_is_bitwise_every_step_and_its_checkpoint_loads(tmp_path):
+    model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", hidden=256, layers=4, heads=4, kv_heads=2,
+                                  head_dim=128, intermediate=768)  # fmt: skip
+    on = run(tmp_path, model_dir, "on", batch_invariant=True)
+    assert set(TAGS) <= set(on.Tags()["scalars"]), set(TAGS) - set(on.Tags()["scalars"])
+    mismatches = values(on, "parity/mismatched_tokens")
+    assert len(mismatches) == STEPS and all(m == 0 for m in mismatches)
+    assert all(r == 1.0 for r in values(on, "train/ratio_mean")) and all(k == 0 for k in values(on, "parity/vllm_kl"))
+    tokens = sum(values(on, "reward/completion_tokens_mean")) * 64
+    print(f"\n[e2e on] {STEPS} steps x 64 samples, ~{tokens:.0f} sampled tokens: mismatched per step {mismatches}; "
+          f"reward {[round(r, 3) for r in values(on, 'reward/reward_mean')]}")  # fmt: skip
+
+    off = run(tmp_path, model_dir, "off", batch_invariant=False)
+    off_mismatches = values(off, "parity/mismatched_tokens")
+    assert len(off_mismatches) == STEPS and all(m > 0 for m in off_mismatches)
+    print(f"[e2e off] mismatched tokens per step {off_mismatches}; "
+          f"vllm_kl {[f'{k:.2e}' for k in values(off, 'parity/vllm_kl')]}")  # fmt: skip
+
+    # The final checkpoint: vLLM serves it and its logprobs are the trainer's, bit for bit.
+    ckpt = tmp_path / "checkpoints" / "on" / f"step_{STEPS:06d}"
+    engine = simple_rl.VLLMEngine(ckpt, 0.05, max_model_len=512, seed=0)
+    model = simple_rl.load_qwen3(ckpt, "cuda")
+    assert engine.weights_checksum() == simple_rl.weights_checksum(model.parameters())
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.args.vocab_size, (int(n),), generator=g).tolist() for n in torch.randint(20, 300, (300,), generator=g)]
+    completions, vllm_lps = engine.generate(prompts, [128] * 300, 1.0, list(range(300)), ignore_eos=True)
+    with torch.no_grad():
+        batch = simple_rl.pack_sequences(prompts, completions, "cuda")
+        ours = simple_rl.token_logprobs(model, batch)[0].cpu()
+    assert torch.equal(ours.view(torch.int32), torch.cat(vllm_lps).view(torch.int32))
+
+    # ... and transformers loads it as the same model (fp32 on both sides).
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).cuda()
+    reference = simple_rl.load_qwen3(ckpt, "cuda", kernels=REFERENCE, dtype=torch.float32)
+    seq = prompts[0] + completions[0]
+    batch = simple_rl.pack_sequences([seq[:1]], [seq[1:]], "cuda")
+    with torch.no_grad():
+        ours = torch.nn.functional.linear(reference(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen),
+                                          reference.output_weight)  # fmt: skip
+        torch.testing.assert_close(ours, hf(torch.tensor([seq], device="cuda")).logits[0], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,242 @@
+"""The RL script on the CPU: reward on all of GSM8K, the GRPO math against hand-computed values,
+bad input, and a smoke run of main() with vLLM replaced by a CPU test double."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import GSM8K_DIR, gsm8k_rows, write_gsm8k_model, write_jsonl
+
+import simple_rl
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- reward -------------------------------------------------------------------------------------
+
+
+def test_every_gsm8k_reference_answer_scores_as_correct():
+    rows = gsm8k_rows("train") + gsm8k_rows("test")
+    assert len(rows) == 8792
+    wrong = [r["answer"][-40:] for r in rows if simple_rl.gsm8k_reward(r["answer"], r["answer"]) != 1.0]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("So she has 72 clips.\n#### 72", 1.0),
+    ("#### 72.0", 1.0),
+    ("####72", 1.0),
+    ("#### $72", 1.0),
+    ("The answer is \\boxed{72}.", 1.0),
+    ("she sold 48 + 24 = 72 clips", 1.0),  # last number fallback
+    ("#### 72 apples, not 73", 1.0),  # '####' wins over later numbers
+    ("#### 7", 0.0),
+    ("#### 720", 0.0),
+    ("#### -72", 0.0),
+    ("72 is wrong, it is 71", 0.0),
+    ("", 0.0),
+    ("no number at all", 0.0),
+    ("#### ", 0.0),
+    ("\\boxed{72} but #### 71", 0.0),  # '####' before '\\boxed'
+])  # fmt: skip
+def test_reward_on_adversarial_completions(completion, reward):
+    assert simple_rl.gsm8k_reward(completion, "Natalia sold ... \n#### 72") == reward
+
+
+@pytest.mark.parametrize("a, b", [("1,000", "1000"), ("1000.0", "1000"), ("$1000", "1000"), ("1,000.00", "1e3")])
+def test_numbers_compare_as_decimals(a, b):
+    expected = simple_rl.parse_number(b) if b != "1e3" else simple_rl.parse_number("1000")
+    assert simple_rl.gsm8k_reward(f"#### {a}", f"#### {b}" if b != "1e3" else "#### 1000") == 1.0
+    assert simple_rl.parse_number(simple_rl.extract_answer(f"#### {a}")) == expected
+
+
+# --- GRPO math ----------------------------------------------------------------------------------
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # two groups of 4
+    adv = simple_rl.group_advantages(rewards, 4, std_normalize=True)
+    std = math.sqrt((0.75**2 + 3 * 0.25**2) / 3)  # unbiased std of [1, 0, 0, 0]
+    expected = [0.75 / (std + 1e-4)] + [-0.25 / (std + 1e-4)] * 3 + [0.0] * 4
+    torch.testing.assert_close(adv, torch.tensor(expected))
+    raw = simple_rl.group_advantages(rewards, 4, std_normalize=False)
+    torch.testing.assert_close(raw, torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]))
+
+
+def test_ppo_clip_loss_by_hand():
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.1]))  # ratios 1, 1.5, 0.5, 1.1
+    adv = torch.tensor([2.0, 1.0, -1.0, -3.0])
+    loss, ratio, clipped = simple_rl.ppo_clip_loss(new, old, adv, clip_eps=0.2)
+    torch.testing.assert_close(ratio, torch.tensor([1.0, 1.5, 0.5, 1.1]))
+    # -min(r A, clip(r) A): 1*2; min(1.5, 1.2)=1.2; min(-0.5, -0.8)=-0.8; min(-3.3, -3.3)=-3.3
+    torch.testing.assert_close(loss, torch.tensor([-2.0, -1.2, 0.8, 3.3]))
+    assert clipped.tolist() == [False, True, True, False]
+
+
+def test_ppo_clip_gradient_vanishes_where_clipped():
+    new = torch.log(torch.tensor([1.0, 1.5])).requires_grad_()
+    loss, _, _ = simple_rl.ppo_clip_loss(new, torch.zeros(2), torch.tensor([1.0, 1.0]), 0.2)
+    loss.sum().backward()
+    torch.testing.assert_close(new.grad, torch.tensor([-1.0, 0.0]))
+
+
+def test_k3_kl_by_hand():
+    lp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.0, -1.0, -1.5])
+    d = ref - lp  # 0, 1, -1
+    torch.testing.assert_close(simple_rl.k3_kl(lp, ref), torch.exp(d) - d - 1)
+    assert simple_rl.k3_kl(lp, lp).eq(0).all()
+    assert (simple_rl.k3_kl(lp, ref) >= 0).all()
+
+
+def test_micro_batches_respect_the_budget_and_keep_order():
+    groups = simple_rl.micro_batches([5, 5, 5, 12, 1, 1], 10)
+    assert groups == [[0, 1], [2], [3], [4, 5]]
+
+
+def test_learning_rate_schedule():
+    args = simple_rl.Args(lr=1.0, warmup_steps=4, steps=14, min_lr_ratio=0.1)
+    lrs = [simple_rl.lr_at(s, args) for s in range(14)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == 1.0 and abs(lrs[9] - 0.55) < 1e-12 and lrs[-1] > 0.1
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+def test_parity_report_names_the_first_mismatch():
+    vllm = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5, -0.25, -3.0])]
+    same = [t.clone() for t in vllm]
+    metrics, report, first = simple_rl.parity_report(vllm, same, [[5, 6], [7, 8, 9]], show=2)
+    assert metrics["mismatched_tokens"] == 0 and metrics["vllm_kl"] == 0 and first is None
+    assert "Bitwise identical: True, different tokens 0 / 5" in report and "0xbf80" in report
+    off = [t.clone() for t in vllm]
+    off[1][1] = torch.nextafter(off[1][1], torch.tensor(0.0))  # one ulp
+    metrics, report, first = simple_rl.parity_report(vllm, off, [[5, 6], [7, 8, 9]], show=0)
+    assert metrics["mismatched_tokens"] == 1 and metrics["max_abs_logprob_diff"] > 0
+    assert first.startswith("sample 1 token 1 (id 8)") and "Bitwise identical: False" in report
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def run_script(*flags, env_update=None, cwd=None):
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"} | (env_update or {})
+    return subprocess.run([sys.executable, str(REPO / "simple_rl.py"), *flags], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=300)  # fmt: skip
+
+
+def one_line_error(result):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+ON = {"VLLM_BATCH_INVARIANT": "1"}
+
+
+def test_bad_flags_give_one_line_errors(tmp_path):
+    cases = [
+        (["--samples-per-prompt", "1"], ON, "at least 2"),
+        (["--temperature", "0"], ON, "--temperature"),
+        (["--warmup-steps", "500", "--steps", "10"], ON, "--warmup-steps"),
+        (["--vllm-gpu-memory", "1.5"], ON, "--vllm-gpu-memory"),
+        (["--dataset", "x.jsonl"], ON, "--eval-dataset"),
+        ([], {}, "VLLM_BATCH_INVARIANT=1 is not set"),
+    ]
+    for flags, env, message in cases:
+        assert message in one_line_error(run_script(*flags, env_update=env, cwd=tmp_path)), flags
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_files_give_one_line_errors(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", gsm8k_rows("test", 3))
+    missing_field = write_jsonl(tmp_path / "a.jsonl", [{"question": "q", "answer": "#### 1"}, {"question": "q"}])
+    no_number = write_jsonl(tmp_path / "b.jsonl", [{"question": "q", "answer": "none"}])
+    (tmp_path / "c.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{not json\n')
+    for path, message in [(tmp_path / "nope.jsonl", "no such file"), (missing_field, "line 2: need a JSON object"),
+                          (no_number, "line 1: the answer has no final number"), (tmp_path / "c.jsonl", "line 2: not valid JSON")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            simple_rl.load_gsm8k(str(path), "train")
+    assert len(simple_rl.load_gsm8k(str(good), "train")) == 3
+    err = one_line_error(run_script("--model", str(tmp_path / "no_model"), "--no-assert-bitwise", cwd=tmp_path))
+    assert "no CUDA GPU" in err or "--model" in err
+
+
+def test_missing_gpu_is_reported(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert "no CUDA GPU" in one_line_error(run_script("--no-assert-bitwise", cwd=tmp_path))
+
+
+# --- smoke run of main() ------------------------------------------------------------------------
+
+
+class TrainerAsSampler:
+    """Test double for vLLM, which cannot run on a CPU: samples from the checkpoint with this
+    project's own Qwen3 (CPU reference path) and returns its logprobs of the sampled tokens."""
+
+    def __init__(self, model_dir, gpu_memory_utilization, max_model_len, seed):
+        self.model = simple_rl.load_qwen3(model_dir, "cpu")
+
+    @torch.no_grad()
+    def generate(self, prompts, max_tokens, temperature, seeds, stop_token_ids=(), ignore_eos=False):
+        completions, logprobs = [], []
+        for prompt, n, seed in zip(prompts, max_tokens, seeds):
+            g = torch.Generator().manual_seed(seed)
+            completion = []
+            while len(completion) < n and not (completion and completion[-1] in stop_token_ids):
+                batch = simple_rl.pack_sequences([prompt + completion], [[]], "cpu")
+                hidden = self.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+                logits = hidden[-1].float() @ self.model.output_weight.float().t()
+                probs = torch.softmax(logits / max(temperature, 1e-6), -1)
+                completion.append(int(torch.multinomial(probs, 1, generator=g)) if temperature else int(logits.argmax()))
+            completions.append(completion)
+            batch = simple_rl.pack_sequences([prompt], [completion], "cpu")
+            logprobs.append(simple_rl.token_logprobs(self.model, batch)[0])
+        return completions, logprobs
+
+    def push_weights(self, model):
+        self.model.load_state_dict(model.state_dict())
+
+    def weights_checksum(self):
+        return simple_rl.weights_checksum(self.model.parameters())
+
+
+def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 40))
+    test = write_jsonl(tmp_path / "test.jsonl", gsm8k_rows("test", 10))
+    monkeypatch.chdir(tmp_path)
+    args = simple_rl.Args(model=str(model_dir), dataset=str(train), eval_dataset=str(test), run_name="smoke",
+                          steps=3, prompts_per_step=2, samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400,
+                          max_tokens_per_microbatch=500, warmup_steps=1, lr=1e-3, kl_coef=0.01, entropy_coef=0.01,
+                          eval_every=2, eval_samples=3, assert_bitwise=False)  # fmt: skip
+    run_dir = simple_rl.main(args, device="cpu", engine_class=TrainerAsSampler)
+
+    events = EventAccumulator(str(run_dir)).Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ["train/loss", "train/pg_loss", "train/kl_div", "train/entropy", "reward/reward_mean",
+                "reward/reward_std", "train/ratio_mean", "train/ratio_clipped_frac",
+                "weight_delta/layer_00/magnitude", "weight_delta/embeddings/relative_change",
+                "parity/mismatched_tokens", "parity/max_abs_logprob_diff", "parity/mean_abs_logprob_diff",
+                "parity/vllm_kl", "perf/generate_tokens_per_s", "perf/train_tokens_per_s", "time/generate",
+                "time/logprobs", "time/train", "time/push", "eval/accuracy"]:  # fmt: skip
+        assert tag in tags, tag
+    assert len(events.Scalars("train/loss")) == 3
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [1, 2]
+    assert all(e.value > 0 for e in events.Scalars("weight_delta/layer_01/magnitude"))
+    assert "config" in "".join(events.Tags()["tensors"])
+
+    ckpt = tmp_path / "checkpoints" / "smoke" / "step_000003"
+    hf = AutoModelForCausalLM.from_pretrained(ckpt)
+    trained = simple_rl.load_qwen3(ckpt, "cpu")
+    assert torch.equal(hf.model.embed_tokens.weight, trained.tok_embeddings.weight)
+    assert not torch.equal(trained.tok_embeddings.weight, simple_rl.load_qwen3(model_dir, "cpu").tok_embeddings.weight)
