@@ -44,6 +44,7 @@ def main():
     parser.add_argument("--seqlen", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--profile", action="store_true", help="also print the trainer step's top CUDA kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA GPU")
@@ -85,6 +86,11 @@ def main():
         r = results[name]
         print(f"  {name:<10} {r['tokens_per_s']:>10,.0f} tokens/s   peak {r['peak_gib']:6.1f} GiB above weights")
     print(f"  trainer / reference: speed {results['speed_ratio']:.2f}x, peak memory {results['memory_ratio']:.2f}x")
+    if args.profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            trainer_step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
