@@ -24,6 +24,7 @@ How this GRPO departs from the paper (Shao et al., 2024):
    --no-std-normalize keeps only r - mean (as in Dr. GRPO).
 """
 
+import copy
 import json
 import math
 import os
@@ -104,6 +105,12 @@ class Args:
     """divide group advantages by the group std"""
     max_tokens_per_microbatch: int = 16384
     """trainer micro-batch size in packed tokens (gradients are accumulated)"""
+    sft_steps: int = 0
+    """supervised warm start before GRPO: steps of teacher forcing on the train set's reference answers"""
+    sft_lr: float = 1e-4
+    """constant AdamW learning rate of the warm start"""
+    sft_batch_size: int = 64
+    """questions per warm-start step"""
 
     assert_bitwise: bool = True
     """abort at the first sampled token whose trainer logprob differs from vLLM's"""
@@ -112,7 +119,7 @@ class Args:
     vllm_gpu_memory: float = 0.3
     """fraction of GPU memory vLLM may take (weights + KV cache); the trainer uses the rest"""
     eval_every: int = 20
-    """greedy GSM8K accuracy every N steps and at the end; 0 disables"""
+    """greedy GSM8K accuracy before training, every N steps and at the end; 0 disables"""
     eval_samples: int = 256
     """test questions per evaluation"""
     save_every: int = 0
@@ -143,6 +150,9 @@ def validate(args: Args) -> None:
         (args.entropy_coef >= 0, "--entropy-coef must be >= 0"),
         (args.max_tokens_per_microbatch >= args.max_prompt_tokens + args.max_new_tokens,
          "--max-tokens-per-microbatch must hold one whole sequence (>= --max-prompt-tokens + --max-new-tokens)"),
+        (args.sft_steps >= 0, "--sft-steps must be >= 0"),
+        (args.sft_lr > 0, "--sft-lr must be > 0"),
+        (args.sft_batch_size >= 1, "--sft-batch-size must be at least 1"),
         (args.parity_report_tokens >= 0, "--parity-report-tokens must be >= 0"),
         (0 < args.vllm_gpu_memory < 1, "--vllm-gpu-memory must be a fraction between 0 and 1"),
         (args.eval_every >= 0, "--eval-every must be >= 0"),
@@ -697,10 +707,10 @@ class MasterWeights:
     bf16 rounding is written into the model: that bf16 tensor is what both the trainer's forward
     and vLLM run (the push copies it as is)."""
 
-    def __init__(self, model: Qwen3, args: Args):
+    def __init__(self, model: Qwen3, lr: float, weight_decay: float):
         self.named = list(model.named_parameters())
         self.masters = [p.detach().float().clone() for _, p in self.named]
-        self.optimizer = torch.optim.AdamW(self.masters, lr=args.lr, weight_decay=args.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
 
     def accumulate_grads(self) -> None:
         """Move the bf16 gradients of a micro-batch into fp32 sums, so accumulation loses nothing."""
@@ -787,6 +797,22 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     return metrics, trainer_logprobs
 
 
+def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Args) -> float:
+    """One supervised warm-start step: maximise the logprob of each reference answer after its
+    prompt (teacher forcing, the very forward GRPO uses). Returns the mean token loss."""
+    device = model.tok_embeddings.weight.device
+    n_tokens = sum(len(r["answer_ids"]) for r in rows)
+    total = 0.0
+    for idx in micro_batches([len(r["prompt_ids"]) + len(r["answer_ids"]) for r in rows], args.max_tokens_per_microbatch):
+        batch = pack_sequences([rows[i]["prompt_ids"] for i in idx], [rows[i]["answer_ids"] for i in idx], device)
+        loss = -token_logprobs(model, batch)[0].sum() / n_tokens
+        loss.backward()
+        optimizer.accumulate_grads()
+        total += float(loss.detach())
+    optimizer.step(args.sft_lr, args.max_grad_norm)
+    return total
+
+
 # =============================================================================================
 # Evaluation
 # =============================================================================================
@@ -850,8 +876,6 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
         model = load_qwen3(model_dir, device)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    ref_model = load_qwen3(model_dir, device).requires_grad_(False) if args.kl_coef > 0 else None
-    optimizer = MasterWeights(model, args)
     if engine.weights_checksum() != weights_checksum(model.parameters()):
         raise UsageError(f"vLLM serves other weights than the trainer loaded from {model_dir} (is it a bf16 Qwen3 checkpoint?)")
 
@@ -862,6 +886,33 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
                     + f"\n| VLLM_BATCH_INVARIANT | {int(batch_invariant_enabled())} |")  # fmt: skip
     order = list(range(len(train_rows)))
     random.Random(args.seed).shuffle(order)
+
+    if args.sft_steps:
+        # Answers follow the prompt as the model should write them, then end of sequence.
+        prefix = " " if args.prompt_format == "plain" or tokenizer.chat_template is None else ""
+        for r in train_rows:
+            r["answer_ids"] = tokenizer.encode(prefix + r["answer"], add_special_tokens=False) + [stop_ids[0]]
+        sft_optimizer = MasterWeights(model, args.sft_lr, args.weight_decay)
+        B = args.sft_batch_size
+        for step in tqdm(range(args.sft_steps), desc="warm start", unit="step", file=sys.stdout):
+            loss = sft_step(model, sft_optimizer, [train_rows[order[(step * B + i) % len(order)]] for i in range(B)], args)
+            writer.add_scalar("sft/loss", loss, step)
+        del sft_optimizer
+        engine.push_weights(model)
+        if engine.weights_checksum() != weights_checksum(model.parameters()):
+            raise RuntimeError("the warm-started weights did not reach vLLM")
+
+    def log_eval(updates: int) -> None:  # logged at the number of GRPO updates made so far
+        accuracy = evaluate(engine, tokenizer, eval_rows, args.max_new_tokens, stop_ids)
+        writer.add_scalar("eval/accuracy", accuracy, updates)
+        tqdm.write(f"after {updates} GRPO steps: greedy accuracy {accuracy:.3f} on {len(eval_rows)} test questions")
+
+    if args.eval_every:
+        log_eval(0)
+
+    # GRPO from here: the reference policy (for KL) is the policy it starts from.
+    ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None
+    optimizer = MasterWeights(model, args.lr, args.weight_decay)
     P, G = args.prompts_per_step, args.samples_per_prompt
 
     for step in tqdm(range(args.steps), desc="GRPO", unit="step", file=sys.stdout):
@@ -919,9 +970,7 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
 
         last = step == args.steps - 1
         if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
-            accuracy = evaluate(engine, tokenizer, eval_rows, args.max_new_tokens, stop_ids)
-            writer.add_scalar("eval/accuracy", accuracy, step)
-            tqdm.write(f"step {step}: eval greedy accuracy {accuracy:.3f} on {len(eval_rows)} questions")
+            log_eval(step + 1)
         if (args.save_every and (step + 1) % args.save_every == 0) or last:
             save_hf_checkpoint(model, model_dir, ckpt_dir / f"step_{step + 1:06d}")
     writer.close()
