@@ -184,7 +184,7 @@ def main():
         flags = ["--model", str(args.out / "model"), "--dataset", str(args.out / "train.jsonl"),
                  "--eval-dataset", str(args.out / "test.jsonl"), "--prompt-format", "plain",
                  "--sft-steps", "110", "--sft-lr", "1e-3", "--sft-batch-size", "128",
-                 "--steps", "100", "--prompts-per-step", "64", "--samples-per-prompt", "8",
+                 "--steps", "300", "--prompts-per-step", "64", "--samples-per-prompt", "8",
                  "--max-new-tokens", "16", "--max-prompt-tokens", "64", "--lr", "1e-4", "--warmup-steps", "10",
                  "--eval-every", "25", "--eval-samples", "500", "--vllm-gpu-memory", "0.2",
                  "--parity-report-tokens", "0", *args.extra]  # fmt: skip

@@ -1,0 +1,35 @@
+"""offline_demo.py on the CPU: its task is scored by simple_rl's reward, its model loads in the
+trainer, and its figure and summary come from TensorBoard runs."""
+
+from torch.utils.tensorboard import SummaryWriter
+
+import offline_demo
+import simple_rl
+
+
+def test_arithmetic_task_is_scored_by_the_gsm8k_reward():
+    rows = offline_demo.arithmetic_rows(500, seed=3, max_operand=50)
+    assert all(simple_rl.gsm8k_reward(r["answer"], r["answer"]) == 1.0 for r in rows)
+    a, b = map(int, rows[0]["question"].removeprefix("What is ").removesuffix("?").split(" + "))
+    assert simple_rl.gsm8k_reward(f"{a} + {b} = {a + b + 1}\n#### {a + b + 1}", rows[0]["answer"]) == 0.0
+
+
+def test_demo_model_is_a_trainer_checkpoint(tmp_path):
+    texts = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in offline_demo.arithmetic_rows(300, 0, 50)]
+    model_dir = offline_demo.write_model(tmp_path, texts, vocab_size=300, hidden=32, head_dim=8)
+    model = simple_rl.load_qwen3(model_dir, "cpu")
+    assert model.args.vocab_size % 64 == 0 and model.args.vocab_size >= 300
+
+
+def test_summary_and_plot_from_two_runs(tmp_path):
+    for name, rewards, kl in (("on", [0.1] * 10 + [0.4] * 10, 0.0), ("off", [0.1] * 20, 1e-5)):
+        writer = SummaryWriter(str(tmp_path / name))
+        for step, r in enumerate(rewards):
+            writer.add_scalar("reward/reward_mean", r, step)
+            writer.add_scalar("parity/vllm_kl", kl, step)
+            writer.add_scalar("parity/mismatched_tokens", 0 if kl == 0 else 7, step)
+        writer.close()
+    line = offline_demo.summary(tmp_path / "on")
+    assert "first 10 0.100 -> last 10 0.400 (4.00x, +0.300)" in line and "total 0" in line
+    offline_demo.plot(tmp_path / "on", tmp_path / "off", tmp_path / "fig.png")
+    assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
