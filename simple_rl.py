@@ -10,7 +10,8 @@ The guarantee, checked every step on every sampled token and asserted unless --n
 the fp32 logprob the trainer computes for a sampled token equals, bit for bit, the logprob vLLM
 returned when it sampled that token, whatever the batch either side ran it in. So the policy that
 generated the data is exactly the policy being trained (the importance ratio is exactly 1), and
-k3 KL between them is exactly 0. It holds with VLLM_BATCH_INVARIANT=1 (vLLM 0.20.0, one GPU, eager).
+k3 KL between them is exactly 0. It holds with VLLM_BATCH_INVARIANT=1 on vLLM 0.20.0 (one GPU,
+eager, FlashAttention 3), whose non-invariant fused add+RMSNorm this script replaces in-process.
 
 How this GRPO departs from the paper (Shao et al., 2024):
 1. One optimizer step per batch of rollouts: strictly on-policy. The PPO-clip surrogate is kept,
@@ -22,6 +23,7 @@ How this GRPO departs from the paper (Shao et al., 2024):
    which skips the reference model entirely); an optional entropy bonus.
 4. Advantages are group-normalised, (r - mean) / (std + 1e-4) with the unbiased std of the group;
    --no-std-normalize keeps only r - mean (as in Dr. GRPO).
+5. An optional supervised warm start (--sft-steps) on the train set's reference answers.
 """
 
 import copy

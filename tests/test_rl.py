@@ -1,7 +1,6 @@
 """The RL script on the CPU: reward on all of GSM8K, the GRPO math against hand-computed values,
 bad input, and a smoke run of main() with vLLM replaced by a CPU test double."""
 
-import json
 import math
 import os
 import subprocess
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GSM8K_DIR, gsm8k_rows, write_gsm8k_model, write_jsonl
+from conftest import gsm8k_rows, write_gsm8k_model, write_jsonl
 
 import simple_rl
 
