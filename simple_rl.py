@@ -878,7 +878,8 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
         model = load_qwen3(model_dir, device)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    if engine.weights_checksum() != weights_checksum(model.parameters()):
+    served_checksum = engine.weights_checksum()
+    if served_checksum != weights_checksum(model.parameters()):
         raise UsageError(f"vLLM serves other weights than the trainer loaded from {model_dir} (is it a bf16 Qwen3 checkpoint?)")
 
     run_name = args.run_name or time.strftime("grpo_%Y%m%d_%H%M%S")
@@ -901,7 +902,8 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
             writer.add_scalar("sft/loss", loss, step)
         del sft_optimizer
         engine.push_weights(model)
-        if engine.weights_checksum() != weights_checksum(model.parameters()):
+        served_checksum = engine.weights_checksum()
+        if served_checksum != weights_checksum(model.parameters()):
             raise RuntimeError("the warm-started weights did not reach vLLM")
 
     def log_eval(updates: int) -> None:  # logged at the number of GRPO updates made so far
@@ -947,11 +949,13 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
             torch.cuda.synchronize()  # so that the train time includes the GPU's work
 
         t3 = time.perf_counter()
-        before = engine.weights_checksum()
         engine.push_weights(model)
-        served = engine.weights_checksum()
-        if served != weights_checksum(model.parameters()) or (served == before and any(d for d, _ in deltas.values())):
-            raise RuntimeError(f"step {step}: the weight push did not reach vLLM (checksum {before} -> {served})")
+        # The served weights must now equal the trainer's, and have changed if the step changed any.
+        before, served_checksum = served_checksum, engine.weights_checksum()
+        if served_checksum != weights_checksum(model.parameters()) or (
+            served_checksum == before and any(magnitude for magnitude, _ in deltas.values())
+        ):
+            raise RuntimeError(f"step {step}: the weight push did not reach vLLM (checksum {before} -> {served_checksum})")
         t4 = time.perf_counter()
 
         scalars = {f"train/{k}": v for k, v in loss_metrics.items()} | {
