@@ -74,7 +74,7 @@ def main():
 
     n_tokens = args.seqs * args.seqlen
     results = {}
-    for name, step, model in (("reference", reference_step, reference), ("trainer", trainer_step, trainer)):
+    for name, step in (("reference", reference_step), ("trainer", trainer_step)):
         seconds, peak = measure(step, args.iters)
         results[name] = {"tokens_per_s": n_tokens / seconds, "peak_gib": peak}
     results["speed_ratio"] = results["trainer"]["tokens_per_s"] / results["reference"]["tokens_per_s"]

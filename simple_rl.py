@@ -769,10 +769,11 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     The training forward's logprobs are also the ones checked against vLLM: parity costs no extra
     forward. Returns per-token means of the loss terms and the trainer's logprobs per sample."""
     device = model.tok_embeddings.weight.device
-    n_tokens = sum(len(c) for c in rollouts.completions)
-    sums = {"loss": 0.0, "pg_loss": 0.0, "kl_div": 0.0, "entropy": 0.0, "ratio_mean": 0.0, "ratio_clipped_frac": 0.0}
-    trainer_logprobs = []
-    lengths = [len(p) + len(c) for p, c in zip(rollouts.prompts, rollouts.completions)]
+    completion_lens = [len(c) for c in rollouts.completions]
+    n_tokens = sum(completion_lens)
+    names = ("loss", "pg_loss", "kl_div", "entropy", "ratio_mean", "ratio_clipped_frac")
+    sums, logprobs_all = [], []  # per micro-batch, kept on the GPU
+    lengths = [len(p) + n for p, n in zip(rollouts.prompts, completion_lens)]
     for idx in micro_batches(lengths, args.max_tokens_per_microbatch):
         batch = pack_sequences([rollouts.prompts[i] for i in idx], [rollouts.completions[i] for i in idx], device)
         logprobs, entropy = token_logprobs(model, batch)  # (C,), (C,)
@@ -780,23 +781,23 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
         advantages = rollouts.advantages[idx].to(device).repeat_interleave(lens)  # a sample's advantage on each token
         rollout_lp = torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)
         pg_loss, ratio, clipped = ppo_clip_loss(logprobs, rollout_lp, advantages, args.clip_eps)
-        loss = pg_loss
+        loss, kl = pg_loss, torch.zeros_like(pg_loss)
         if ref_logprobs is not None:
             kl = k3_kl(logprobs, torch.cat([ref_logprobs[i] for i in idx]))
             loss = loss + args.kl_coef * kl
-            sums["kl_div"] += float(kl.detach().sum())
         if args.entropy_coef:
             loss = loss - args.entropy_coef * entropy  # else the entropy stays out of the backward
         # Dividing by the step's token count (not the micro-batch's) makes the accumulated
         # gradient that of one big batch.
         (loss.sum() / n_tokens).backward()
         optimizer.accumulate_grads()
-        for key, value in (("loss", loss), ("pg_loss", pg_loss), ("entropy", entropy), ("ratio_mean", ratio),
-                           ("ratio_clipped_frac", clipped.float())):  # fmt: skip
-            sums[key] += float(value.detach().sum())
-        trainer_logprobs += logprobs.detach().cpu().split(batch.completion_lens)
-    metrics = {k: v / n_tokens for k, v in sums.items() if k != "kl_div" or ref_logprobs is not None}
-    return metrics, trainer_logprobs
+        sums.append(torch.stack([t.detach().sum() for t in (loss, pg_loss, kl, entropy, ratio, clipped.float())]))
+        logprobs_all.append(logprobs.detach())
+    # One copy to the host for the whole step: a sync per micro-batch would stall the GPU.
+    metrics = dict(zip(names, (torch.stack(sums).sum(0) / n_tokens).tolist()))
+    if ref_logprobs is None:
+        del metrics["kl_div"]  # not measured: no reference model
+    return metrics, list(torch.cat(logprobs_all).cpu().split(completion_lens))
 
 
 def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Args) -> float:
