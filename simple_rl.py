@@ -793,8 +793,10 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
         optimizer.accumulate_grads()
         sums.append(torch.stack([t.detach().sum() for t in (loss, pg_loss, kl, entropy, ratio, clipped.float())]))
         logprobs_all.append(logprobs.detach())
-    # One copy to the host for the whole step: a sync per micro-batch would stall the GPU.
-    metrics = dict(zip(names, (torch.stack(sums).sum(0) / n_tokens).tolist()))
+    # One copy to the host for the whole step (a sync per micro-batch would stall the GPU); the
+    # division happens there, exactly: CUDA divides by a scalar through its reciprocal, which would
+    # turn a ratio sum of exactly n_tokens into a mean one ulp below 1.
+    metrics = {name: total / n_tokens for name, total in zip(names, torch.stack(sums).sum(0).tolist())}
     if ref_logprobs is None:
         del metrics["kl_div"]  # not measured: no reference model
     return metrics, list(torch.cat(logprobs_all).cpu().split(completion_lens))
