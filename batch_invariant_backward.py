@@ -92,9 +92,10 @@ def attention_reference(q, k, v, cu_seqlens, scale):
     return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
 
 
-def token_logprobs_reference(logits: torch.Tensor, targets: torch.Tensor):
-    """logits (C, V), targets (C,) -> logprob of each target (C,) and entropy of each row (C,)."""
-    logprobs = torch.log_softmax(logits.to(_acc(logits.dtype)), dim=-1)
+def lm_head_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """hidden (C, dim), lm_head weight (V, dim), targets (C,) -> logprob of each target (C,) and
+    entropy of each row (C,), from the fp32 copy of the logits (C, V)."""
+    logprobs = torch.log_softmax(linear_reference(hidden, weight).to(_acc(hidden.dtype)), dim=-1)
     entropy = -(logprobs.exp() * logprobs).sum(-1)
     return logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy
 
@@ -102,6 +103,14 @@ def token_logprobs_reference(logits: torch.Tensor, targets: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 # Autograd Functions: vLLM's kernel forward on CUDA, reference forward on the CPU
 # ---------------------------------------------------------------------------------------------
+
+
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
+
+        return linear_batch_invariant(x, weight)
+    return linear_reference(x, weight)
 
 
 class BatchInvariantLinear(torch.autograd.Function):
@@ -112,11 +121,7 @@ class BatchInvariantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        if x.is_cuda:
-            from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
-
-            return linear_batch_invariant(x, weight)
-        return linear_reference(x, weight)
+        return _linear_forward(x, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -290,53 +295,59 @@ def _attention_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens, scale
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
-class TokenLogprobs(torch.autograd.Function):
-    """vLLM's batch-invariant Triton `log_softmax` over fp32 logits (what the sampler returns as
-    raw logprobs), gathered at the target tokens, plus each row's entropy. Rows are processed in
-    chunks so the fp32 (C, V) temporaries stay bounded. Backward, with p = softmax(z):
-    d logp_t / dz = onehot(t) - p and dH/dz = -p * (log p + H); the entropy term is skipped when
-    nothing depends on the entropy."""
+class LMHeadLogprobs(torch.autograd.Function):
+    """lm_head and the sampler's logprobs, fused and chunked over rows. For each chunk of rows:
+    `linear_batch_invariant` gives the bf16 logits (vLLM's lm_head), and vLLM's batch-invariant
+    Triton `log_softmax` of their fp32 copy gives the logprobs (vLLM's raw logprobs), gathered at the
+    targets, plus each row's entropy. The persistent matmul computes a row the same way whatever the
+    other rows, so chunking changes no bit; and only one chunk of (rows, V) logits ever exists, in
+    the forward and the backward, never the (C, V) logits of a whole micro-batch.
+    Backward, per chunk: recompute the logits (the forward's kernel), then with p = softmax(z),
+    dz = g_lp * (onehot(t) - p) - g_H * p * (log p + H); dh = dz @ W and dW = sum of dz^T @ h.
+    The entropy term is skipped when nothing depends on the entropy."""
 
-    ROWS_PER_CHUNK_TIMES_VOCAB = 2**28  # 1 GiB of fp32 per temporary
+    ROWS_PER_CHUNK_TIMES_VOCAB = 2**27  # 0.5 GiB per fp32 temporary
 
     @staticmethod
-    def forward(ctx, logits, targets):
-        rows = max(1, TokenLogprobs.ROWS_PER_CHUNK_TIMES_VOCAB // logits.shape[-1])
+    def forward(ctx, hidden, weight, targets):
+        rows = max(1, LMHeadLogprobs.ROWS_PER_CHUNK_TIMES_VOCAB // weight.shape[0])
         logprobs, entropy = [], []
-        for chunk, tgt in zip(logits.split(rows), targets.split(rows)):
-            if chunk.is_cuda:
+        for h, t in zip(hidden.split(rows), targets.split(rows)):
+            logits = _linear_forward(h, weight)  # (rows, V)
+            if h.is_cuda:
                 from vllm.model_executor.layers.batch_invariant import log_softmax
 
-                lp = log_softmax(chunk.float())
-                logprobs.append(lp.gather(-1, tgt[:, None]).squeeze(-1))
-                entropy.append(-(lp.exp() * lp).sum(-1))
+                lp = log_softmax(logits.float())
             else:
-                lp_t, ent = token_logprobs_reference(chunk, tgt)
-                logprobs.append(lp_t)
-                entropy.append(ent)
+                lp = torch.log_softmax(logits.to(_acc(h.dtype)), dim=-1)
+            logprobs.append(lp.gather(-1, t[:, None]).squeeze(-1))
+            entropy.append(-(lp.exp() * lp).sum(-1))
         logprobs, entropy = torch.cat(logprobs), torch.cat(entropy)
-        ctx.save_for_backward(logits, targets, entropy)
+        ctx.save_for_backward(hidden, weight, targets, entropy)
         ctx.rows = rows
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits, targets, entropy = ctx.saved_tensors
-        n = logits.shape[0]
-        g_lp = grad_logprobs if grad_logprobs is not None else logits.new_zeros(n, dtype=entropy.dtype)
-        grads = []
+        hidden, weight, targets, entropy = ctx.saved_tensors
+        acc = _acc(hidden.dtype)
+        n = hidden.shape[0]
+        g_lp = grad_logprobs if grad_logprobs is not None else hidden.new_zeros(n, dtype=entropy.dtype)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=acc)  # summed over chunks in fp32
         for i in range(0, n, ctx.rows):
             rows = slice(i, i + ctx.rows)
-            lp = torch.log_softmax(logits[rows].to(_acc(logits.dtype)), dim=-1)
+            lp = torch.log_softmax(_linear_forward(hidden[rows], weight).to(acc), dim=-1)  # recomputed
             if grad_entropy is None:
                 grad = lp.exp_().mul_(-g_lp[rows, None])  # -p * g_lp
             else:
                 g_ent = grad_entropy[rows, None]
                 grad = (lp + entropy[rows, None]).mul_(g_ent).add_(g_lp[rows, None]).mul_(-lp.exp())
-            grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
-            grads.append(grad.to(logits.dtype))
-        return torch.cat(grads), None
+            grad = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None]).to(hidden.dtype)  # (rows, V)
+            grad_hidden[rows] = grad @ weight
+            grad_weight += (grad.t() @ hidden[rows]).to(acc)
+        return grad_hidden, grad_weight.to(weight.dtype), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +362,7 @@ class Kernels:
     silu_and_mul: Callable
     rotary: Callable
     attention: Callable
-    token_logprobs: Callable
+    lm_head_logprobs: Callable
 
 
 # vLLM's kernels forward on CUDA (bitwise vLLM), references on the CPU; hand-written backwards.
@@ -361,7 +372,7 @@ EXACT = Kernels(
     silu_and_mul=SiluAndMul.apply,
     rotary=Rotary.apply,
     attention=FlashAttention.apply,
-    token_logprobs=TokenLogprobs.apply,
+    lm_head_logprobs=LMHeadLogprobs.apply,
 )
 
 # Plain PyTorch under ordinary autograd: the ground truth the tests compare EXACT against.
@@ -373,5 +384,5 @@ REFERENCE = Kernels(
     attention=lambda q, k, v, cu_seqlens, max_seqlen, scale: attention_reference(
         q, k, v, cu_seqlens, scale
     )[0],
-    token_logprobs=token_logprobs_reference,
+    lm_head_logprobs=lm_head_logprobs_reference,
 )

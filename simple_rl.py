@@ -1,9 +1,9 @@
 """Bitwise-exact on-policy GRPO: Qwen3 on GSM8K, rollouts from vLLM, training on a TorchTitan-style
-Qwen3 that runs vLLM's own kernels.
+Qwen3 that runs vLLM's own kernels; the two share one GPU in turns.
 
-    VLLM_BATCH_INVARIANT=1 python simple_rl.py                     # Qwen3-1.7B and GSM8K from the hub
+    VLLM_BATCH_INVARIANT=1 python simple_rl.py            # Qwen3-1.7B and GSM8K from the hub
     VLLM_BATCH_INVARIANT=1 python simple_rl.py --model DIR --dataset train.jsonl --eval-dataset test.jsonl
-    python simple_rl.py --no-assert-bitwise                         # batch invariance off: mismatch reported
+    python simple_rl.py --no-assert-bitwise                # batch invariance off: mismatch reported
     tensorboard --logdir runs
 
 The guarantee, checked every step on every sampled token and asserted unless --no-assert-bitwise:
@@ -11,7 +11,8 @@ the fp32 logprob the trainer computes for a sampled token equals, bit for bit, t
 returned when it sampled that token, whatever the batch either side ran it in. So the policy that
 generated the data is exactly the policy being trained (the importance ratio is exactly 1), and
 k3 KL between them is exactly 0. It holds with VLLM_BATCH_INVARIANT=1 on vLLM 0.20.0 (one GPU,
-eager, FlashAttention 3), whose non-invariant fused add+RMSNorm this script replaces in-process.
+FlashAttention 3, CUDA graphs without torch.compile), whose non-invariant fused add+RMSNorm this
+script replaces in-process.
 
 How this GRPO departs from the paper (Shao et al., 2024):
 1. One optimizer step per batch of rollouts: strictly on-policy. The PPO-clip surrogate is kept,
@@ -27,6 +28,7 @@ How this GRPO departs from the paper (Shao et al., 2024):
 """
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -36,6 +38,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -45,6 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
@@ -58,17 +62,18 @@ from batch_invariant_backward import EXACT, Kernels
 @dataclass
 class Args:
     model: str = "Qwen/Qwen3-1.7B"
-    """Qwen3 checkpoint: a Hugging Face hub id, or a local directory (config.json + safetensors + tokenizer)"""
+    """Qwen3 checkpoint: a Hugging Face hub id, or a local directory (config.json, safetensors, tokenizer)"""
     dataset: str | None = None
-    """local GSM8K-format jsonl (fields question, answer) to train on; default: openai/gsm8k 'main' train split"""
+    """local GSM8K-format jsonl (question, answer) to train on; default: openai/gsm8k 'main' train split"""
     eval_dataset: str | None = None
-    """local GSM8K-format jsonl to evaluate on; default: openai/gsm8k 'main' test split (needed offline)"""
+    """local GSM8K-format jsonl to evaluate on; default: openai/gsm8k 'main' test split"""
     prompt_format: Literal["auto", "chat", "plain"] = "auto"
-    """'chat': the tokenizer's chat template; 'plain': 'Question: ...\\nAnswer:'; 'auto': chat if it has one"""
+    """'chat': the tokenizer's chat template; 'plain': 'Question: ...\\nAnswer:';
+    'auto': chat if the tokenizer has a template"""
     thinking: bool = False
     """let Qwen3's chat template open a <think> block (long completions); off by default"""
     run_name: str | None = None
-    """TensorBoard run under runs/<run_name> and checkpoints under <output_dir>/<run_name>; default: a timestamp"""
+    """TensorBoard run runs/<run_name>, checkpoints <output_dir>/<run_name>; default: a timestamp"""
     output_dir: str = "checkpoints"
     """where Hugging Face checkpoints are written"""
     seed: int = 0
@@ -85,12 +90,12 @@ class Args:
     max_prompt_tokens: int = 512
     """longer prompts are skipped (and counted at start), never cut"""
     temperature: float = 1.0
-    """sampling temperature (logprobs are vLLM's raw ones, before temperature; keep 1.0 for exact ratios)"""
+    """sampling temperature (logprobs are vLLM's raw ones, before temperature: keep 1.0 for exact ratios)"""
 
     lr: float = 1e-6
     """peak AdamW learning rate"""
     warmup_steps: int = 10
-    """linear warm-up steps, then cosine decay"""
+    """linear warm-up steps, then cosine decay (a run shorter than this warms up over all its steps)"""
     min_lr_ratio: float = 0.1
     """the cosine decays to lr * min_lr_ratio"""
     weight_decay: float = 0.0
@@ -105,8 +110,6 @@ class Args:
     """entropy bonus coefficient"""
     std_normalize: bool = True
     """divide group advantages by the group std"""
-    max_tokens_per_microbatch: int = 16384
-    """trainer micro-batch size in packed tokens (gradients are accumulated)"""
     sft_steps: int = 0
     """supervised warm start before GRPO: steps of teacher forcing on the train set's reference answers"""
     sft_lr: float = 1e-4
@@ -118,8 +121,20 @@ class Args:
     """abort at the first sampled token whose trainer logprob differs from vLLM's"""
     parity_report_tokens: int = 4
     """first tokens of sample 0 printed every step with both logprobs; 0 prints only the summary"""
-    vllm_gpu_memory: float = 0.3
-    """fraction of GPU memory vLLM may take (weights + KV cache); the trainer uses the rest"""
+
+    vllm_gpu_memory: float = 0.5
+    """share of the GPU's memory vLLM holds while it generates (its weights, KV cache and CUDA graphs);
+    it gives all of it back while the trainer runs"""
+    vllm_cuda_graphs: bool = True
+    """replay decode steps as CUDA graphs (no torch.compile: same kernels, same bits as eager);
+    --no-vllm-cuda-graphs runs vLLM eager, for debugging"""
+    max_tokens_per_microbatch: int = 8192
+    """tokens (prompts + completions, packed) in one trainer forward + backward; activation memory
+    grows with it; gradients are accumulated over micro-batches"""
+    activation_checkpointing: bool = False
+    """keep only each layer's input in the forward and recompute the layer in the backward: a fraction
+    of the activation memory for about a third more train time (for models that do not fit otherwise)"""
+
     eval_every: int = 20
     """greedy GSM8K accuracy before training, every N steps and at the end; 0 disables"""
     eval_samples: int = 256
@@ -129,29 +144,34 @@ class Args:
 
 
 def batch_invariant_enabled() -> bool:
-    """vLLM reads VLLM_BATCH_INVARIANT at import: it must be in the environment before the run."""
+    """vLLM reads VLLM_BATCH_INVARIANT at import, as an integer: it must be 1 before the run starts."""
     return os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
 
 
-def validate(args: Args) -> None:
-    """Bad flag values and combinations fail here, before anything is loaded or written."""
+def validate(args: Args) -> Args:
+    """Bad flag values and combinations fail here, before anything is loaded or written. Returns the
+    args with what derives from them filled in: the run name, and a warm-up no longer than the run."""
+    sequence = args.max_prompt_tokens + args.max_new_tokens
+    invariant = os.environ.get("VLLM_BATCH_INVARIANT")
     checks = [
         (args.steps >= 1, "--steps must be at least 1"),
         (args.prompts_per_step >= 1, "--prompts-per-step must be at least 1"),
-        (args.samples_per_prompt >= 2, "--samples-per-prompt must be at least 2: GRPO normalises rewards within each group"),
+        (args.samples_per_prompt >= 2,
+         "--samples-per-prompt must be at least 2: GRPO normalises rewards within each group"),
         (args.max_new_tokens >= 1, "--max-new-tokens must be at least 1"),
         (args.max_prompt_tokens >= 1, "--max-prompt-tokens must be at least 1"),
         (args.temperature > 0, "--temperature must be > 0 (evaluation is greedy by itself)"),
         (args.lr > 0, "--lr must be > 0"),
-        (0 <= args.warmup_steps <= args.steps, "--warmup-steps must be between 0 and --steps"),
+        (args.warmup_steps >= 0, "--warmup-steps must be >= 0"),
         (0 <= args.min_lr_ratio <= 1, "--min-lr-ratio must be between 0 and 1"),
         (args.weight_decay >= 0, "--weight-decay must be >= 0"),
         (args.max_grad_norm > 0, "--max-grad-norm must be > 0"),
         (args.clip_eps > 0, "--clip-eps must be > 0"),
         (args.kl_coef >= 0, "--kl-coef must be >= 0"),
         (args.entropy_coef >= 0, "--entropy-coef must be >= 0"),
-        (args.max_tokens_per_microbatch >= args.max_prompt_tokens + args.max_new_tokens,
-         "--max-tokens-per-microbatch must hold one whole sequence (>= --max-prompt-tokens + --max-new-tokens)"),
+        (args.max_tokens_per_microbatch >= sequence,
+         "--max-tokens-per-microbatch must hold one whole sequence "
+         "(>= --max-prompt-tokens + --max-new-tokens)"),
         (args.sft_steps >= 0, "--sft-steps must be >= 0"),
         (args.sft_lr > 0, "--sft-lr must be > 0"),
         (args.sft_batch_size >= 1, "--sft-batch-size must be at least 1"),
@@ -162,13 +182,23 @@ def validate(args: Args) -> None:
         (args.save_every >= 0, "--save-every must be >= 0"),
         (not (args.dataset and args.eval_every and not args.eval_dataset),
          "--dataset is local: pass --eval-dataset (a local test jsonl) too, or --eval-every 0"),
+        (invariant in (None, "0", "1"),
+         f"VLLM_BATCH_INVARIANT is {invariant!r}, but vLLM reads it as an integer: "
+         "set VLLM_BATCH_INVARIANT=1"),
         (not args.assert_bitwise or batch_invariant_enabled(),
-         "VLLM_BATCH_INVARIANT=1 is not set, so vLLM's logprobs cannot equal the trainer's: set it, "
-         "or pass --no-assert-bitwise to run anyway and report the mismatch"),
-    ]  # fmt: skip
+         f"VLLM_BATCH_INVARIANT is {invariant or 'not set'}, so vLLM's logprobs cannot equal the trainer's: "
+         "set VLLM_BATCH_INVARIANT=1, or pass --no-assert-bitwise to run anyway and report the mismatch"),
+    ]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    if args.run_name is None:
+        args = dataclasses.replace(args, run_name=time.strftime("grpo_%Y%m%d_%H%M%S"))
+    if args.warmup_steps > args.steps:
+        print(f"note: --warmup-steps {args.warmup_steps} is more than --steps {args.steps}: "
+              f"the learning rate warms up over all {args.steps} steps")
+        args = dataclasses.replace(args, warmup_steps=args.steps)
+    return args
 
 
 # =============================================================================================
@@ -181,6 +211,11 @@ def seed_everything(seed: int) -> None:
     # this fixes the only other randomness: Python's data order and torch's default generators.
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def rollout_seeds(seed: int, step: int, n: int) -> list[int]:
+    """One sampling seed per request, unique over the run: completions depend on nothing else."""
+    return [seed * 1_000_000_000 + step * n + j for j in range(n)]
 
 
 # =============================================================================================
@@ -217,7 +252,8 @@ def parse_number(text: str | None) -> Decimal | None:
 
 def gsm8k_reward(completion: str, reference_answer: str) -> float:
     """1.0 when the completion's final number equals the reference's '#### N', else 0.0."""
-    predicted, expected = parse_number(extract_answer(completion)), parse_number(extract_answer(reference_answer))
+    predicted = parse_number(extract_answer(completion))
+    expected = parse_number(extract_answer(reference_answer))
     return float(predicted is not None and expected is not None and predicted == expected)
 
 
@@ -229,7 +265,8 @@ def load_gsm8k(path: str | None, split: str) -> list[dict]:
         try:
             rows = load_dataset("openai/gsm8k", "main", split=split)
         except Exception as e:
-            raise ValueError(f"cannot load openai/gsm8k from the hub ({type(e).__name__}): pass --dataset/--eval-dataset with local jsonl files") from e
+            raise ValueError(f"cannot load openai/gsm8k from the hub ({type(e).__name__}): "
+                             "pass --dataset/--eval-dataset with local jsonl files") from e
         return [{"question": r["question"], "answer": r["answer"]} for r in rows]
     if not Path(path).is_file():
         raise ValueError(f"{path}: no such file (expected a GSM8K-format jsonl)")
@@ -242,10 +279,14 @@ def load_gsm8k(path: str | None, split: str) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 raise ValueError(f"{path} line {n}: not valid JSON") from None
-            if not (isinstance(row, dict) and isinstance(row.get("question"), str) and isinstance(row.get("answer"), str)):
-                raise ValueError(f"{path} line {n}: need a JSON object with string fields 'question' and 'answer'")
-            if parse_number(extract_answer(row["answer"])) is None:
-                raise ValueError(f"{path} line {n}: the answer has no final number ('#### N')")
+            if not (isinstance(row, dict) and isinstance(row.get("question"), str)
+                    and isinstance(row.get("answer"), str)):
+                raise ValueError(f"{path} line {n}: need a JSON object with string fields "
+                                 "'question' and 'answer'")
+            # GSM8K's answers end in '#### N': a bare last number would be a guess at the answer.
+            final = ANSWER_AFTER_HASHES.search(row["answer"])
+            if final is None or parse_number(final.group(1)) is None:
+                raise ValueError(f"{path} line {n}: the answer has no final '#### N' (GSM8K's format)")
             rows.append({"question": row["question"], "answer": row["answer"]})
     if not rows:
         raise ValueError(f"{path}: no examples")
@@ -255,25 +296,32 @@ def load_gsm8k(path: str | None, split: str) -> list[dict]:
 def encode_prompt(tokenizer, question: str, use_chat: bool, thinking: bool) -> list[int]:
     content = f"{question}\n{INSTRUCTION}"
     if use_chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False,
-                                             enable_thinking=thinking)  # fmt: skip
+        messages = [{"role": "user", "content": content}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False, enable_thinking=thinking)
     return tokenizer.encode(f"Question: {content}\nAnswer:")
 
 
 def encode_dataset(rows, tokenizer, args: Args, name: str) -> list[dict]:
     """Tokenise every question once; report (never cut) prompts over --max-prompt-tokens."""
-    use_chat = args.prompt_format == "chat" or (args.prompt_format == "auto" and tokenizer.chat_template is not None)
-    if args.prompt_format == "chat" and tokenizer.chat_template is None:
+    has_template = tokenizer.chat_template is not None
+    if args.prompt_format == "chat" and not has_template:
         raise ValueError("--prompt-format chat: this tokenizer has no chat template; use plain or auto")
-    encoded = [dict(r, prompt_ids=encode_prompt(tokenizer, r["question"], use_chat, args.thinking)) for r in rows]
+    use_chat = args.prompt_format == "chat" or (args.prompt_format == "auto" and has_template)
+    encoded = [dict(r, prompt_ids=encode_prompt(tokenizer, r["question"], use_chat, args.thinking))
+               for r in rows]
     kept = [r for r in encoded if len(r["prompt_ids"]) <= args.max_prompt_tokens]
     if len(kept) < len(encoded):
         print(f"{name}: {len(encoded) - len(kept)} of {len(encoded)} prompts exceed --max-prompt-tokens "
-              f"{args.max_prompt_tokens} and are skipped")  # fmt: skip
+              f"{args.max_prompt_tokens} and are skipped")
     if not kept:
         raise ValueError(f"{name}: every prompt exceeds --max-prompt-tokens {args.max_prompt_tokens}")
     return kept
+
+
+def step_rows(rows: list[dict], order: list[int], step: int, n: int) -> list[dict]:
+    """The n rows of a step: the next n of the seeded shuffled order, wrapping around epochs."""
+    return [rows[order[(step * n + i) % len(order)]] for i in range(n)]
 
 
 # =============================================================================================
@@ -286,7 +334,8 @@ def resolve_model_dir(model: str) -> Path:
     path = Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"--model {model}: the directory has no config.json (need a Hugging Face Qwen3 checkpoint)")
+            raise ValueError(f"--model {model}: the directory has no config.json "
+                             "(need a Hugging Face Qwen3 checkpoint)")
         return path
     if path.exists() or model.startswith((".", "/")) or model.count("/") != 1:
         raise ValueError(f"--model {model}: not a checkpoint directory, nor a hub id like Qwen/Qwen3-1.7B")
@@ -295,14 +344,16 @@ def resolve_model_dir(model: str) -> Path:
     try:
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
     except Exception as e:
-        raise ValueError(f"--model {model}: cannot download it from the hub ({type(e).__name__}); pass a local checkpoint directory") from e
+        raise ValueError(f"--model {model}: cannot download it from the hub ({type(e).__name__}); "
+                         "pass a local checkpoint directory") from e
 
 
 def model_args_from_hf_config(config: dict) -> Qwen3ModelArgs:
     """torchtitan's Qwen3 arguments from a Hugging Face `config.json`; refuses what vLLM's and
     this trainer's Qwen3 would compute differently (other activations, biases, rope scaling)."""
     if config.get("model_type") != "qwen3":
-        raise ValueError(f"config.json: model_type is {config.get('model_type')!r}, this trainer needs 'qwen3'")
+        raise ValueError(f"config.json: model_type is {config.get('model_type')!r}, "
+                         "this trainer needs 'qwen3'")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     unsupported = {
         "hidden_act": config.get("hidden_act", "silu") != "silu",
@@ -331,48 +382,80 @@ def model_args_from_hf_config(config: dict) -> Qwen3ModelArgs:
 def rope_cos_sin_cache(args: Qwen3ModelArgs, dtype: torch.dtype) -> torch.Tensor:
     """(max_seq_len, head_dim) table [cos | sin] for neox rotary, built as vLLM builds it: fp32 on
     the current default device, then rounded to the model dtype (the kernel reads this table)."""
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float) / args.head_dim))
+    exponents = torch.arange(0, args.head_dim, 2, dtype=torch.float) / args.head_dim
+    inv_freq = 1.0 / (args.rope_theta**exponents)
     angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float), inv_freq)
     return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
 
 
+# Each module's forward is the sequence of kernels vLLM 0.20 runs for it in eager batch-invariant
+# mode (CUDA graphs replay the same kernels), in the same order and dtypes, over packed sequences.
+
+
 class Attention(nn.Module):
-    def __init__(self, args: Qwen3ModelArgs):
+    def __init__(self, args: Qwen3ModelArgs, kernels: Kernels):
         super().__init__()
+        self.args, self.kernels = args, kernels
         # One merged [q; k; v] projection, as vLLM's QKVParallelLinear serves it.
         self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
 
+    def forward(self, x, positions, cos_sin_cache, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+        k, a = self.kernels, self.args
+        T, H, Hk, D = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
+        q, key, v = k.linear(x, self.wqkv.weight).split([H * D, Hk * D, Hk * D], dim=-1)
+        q = k.rms_norm(q.reshape(T, H, D), self.q_norm.weight, a.norm_eps)  # per-head norm (T, H, D)
+        key = k.rms_norm(key.reshape(T, Hk, D), self.k_norm.weight, a.norm_eps)  # (T, Hk, D)
+        q, key = k.rotary(q, key, positions, cos_sin_cache)
+        out = k.attention(q, key, v.reshape(T, Hk, D), cu_seqlens, max_seqlen, D**-0.5)  # (T, H, D)
+        return k.linear(out.reshape(T, H * D), self.wo.weight)
+
 
 class FeedForward(nn.Module):
-    def __init__(self, args: Qwen3ModelArgs):
+    def __init__(self, args: Qwen3ModelArgs, kernels: Kernels):
         super().__init__()
+        self.kernels = kernels
         self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)  # merged [gate; up]
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
 
+    def forward(self, x) -> torch.Tensor:
+        k = self.kernels
+        return k.linear(k.silu_and_mul(k.linear(x, self.w13.weight)), self.w2.weight)
+
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: Qwen3ModelArgs):
+    def __init__(self, args: Qwen3ModelArgs, kernels: Kernels):
         super().__init__()
+        self.eps, self.kernels = args.norm_eps, kernels
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, kernels)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = FeedForward(args, kernels)
+
+    def forward(self, h, residual, positions, cos_sin_cache, cu_seqlens, max_seqlen: int):
+        """(h, residual) of the layer below -> this layer's (h, residual), each (T, dim)."""
+        k = self.kernels
+        # vLLM normalises layer 0's input alone; every later norm first adds the residual (a bf16
+        # add, then the norm: see `make_fused_add_rms_norm_batch_invariant`).
+        residual = h if residual is None else h + residual
+        x = k.rms_norm(residual, self.attention_norm.weight, self.eps)
+        h = self.attention(x, positions, cos_sin_cache, cu_seqlens, max_seqlen)
+        residual = h + residual
+        return self.feed_forward(k.rms_norm(residual, self.ffn_norm.weight, self.eps)), residual
 
 
 class Qwen3(nn.Module):
     """Qwen3 with torchtitan's parameter names, in the layout vLLM serves (merged q/k/v and
-    gate/up, `output` absent when tied to `tok_embeddings`). The modules only hold parameters:
-    `forward` is written out below so that it reads as the sequence of kernels vLLM 0.20 runs
-    for `Qwen3ForCausalLM` in eager batch-invariant mode, in the same order and dtypes."""
+    gate/up, `output` absent when tied to `tok_embeddings`)."""
 
-    def __init__(self, args: Qwen3ModelArgs, kernels: Kernels = EXACT, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, args: Qwen3ModelArgs, kernels: Kernels = EXACT, dtype: torch.dtype = torch.bfloat16,
+                 activation_checkpointing: bool = False):
         super().__init__()
-        self.args, self.kernels = args, kernels
+        self.args, self.kernels, self.activation_checkpointing = args, kernels, activation_checkpointing
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, kernels) for _ in range(args.n_layers))
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = None if args.enable_weight_tying else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.to(dtype)
@@ -384,29 +467,15 @@ class Qwen3(nn.Module):
 
     def forward(self, tokens, positions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
         """Packed sequences (T,) -> final hidden states (T, dim)."""
-        k, eps = self.kernels, self.args.norm_eps
-        h = F.embedding(tokens, self.tok_embeddings.weight)
-        residual = None
+        h, residual = F.embedding(tokens, self.tok_embeddings.weight), None
         for layer in self.layers:
-            # vLLM normalises layer 0's input alone; every later norm first adds the residual
-            # (a bf16 add, then the norm: see `make_fused_add_rms_norm_batch_invariant`).
-            residual = h if residual is None else h + residual
-            h = self.attention(layer.attention, k.rms_norm(residual, layer.attention_norm.weight, eps),
-                               positions, cu_seqlens, max_seqlen)  # fmt: skip
-            residual = h + residual
-            x = k.rms_norm(residual, layer.ffn_norm.weight, eps)
-            h = k.linear(k.silu_and_mul(k.linear(x, layer.feed_forward.w13.weight)), layer.feed_forward.w2.weight)
-        return k.rms_norm(h + residual, self.norm.weight, eps)
-
-    def attention(self, attn: Attention, x, positions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
-        k, a = self.kernels, self.args
-        T, H, Hk, D = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
-        q, key, v = k.linear(x, attn.wqkv.weight).split([H * D, Hk * D, Hk * D], dim=-1)
-        q = k.rms_norm(q.reshape(T, H, D), attn.q_norm.weight, a.norm_eps)  # per-head norm (T, H, D)
-        key = k.rms_norm(key.reshape(T, Hk, D), attn.k_norm.weight, a.norm_eps)  # (T, Hk, D)
-        q, key = k.rotary(q, key, positions, self.cos_sin_cache)
-        out = k.attention(q, key, v.reshape(T, Hk, D), cu_seqlens, max_seqlen, D**-0.5)  # (T, H, D)
-        return k.linear(out.reshape(T, H * D), attn.wo.weight)
+            inputs = (h, residual, positions, self.cos_sin_cache, cu_seqlens, max_seqlen)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # The recomputation runs the same deterministic kernels: the same bits again.
+                h, residual = checkpoint(layer, *inputs, use_reentrant=False)
+            else:
+                h, residual = layer(*inputs)
+        return self.kernels.rms_norm(h + residual, self.norm.weight, self.args.norm_eps)
 
 
 def from_hf_state_dict(hf_state: dict, args: Qwen3ModelArgs) -> dict:
@@ -433,13 +502,14 @@ def hf_state_dict(model: Qwen3) -> dict:
         q, k, v = state.pop(f"{p}attention.wqkv.weight").split(
             [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
         )
-        state.update({f"{p}attention.wq.weight": q, f"{p}attention.wk.weight": k, f"{p}attention.wv.weight": v})
+        state |= {f"{p}attention.wq.weight": q, f"{p}attention.wk.weight": k, f"{p}attention.wv.weight": v}
         w1, w3 = state.pop(f"{p}feed_forward.w13.weight").chunk(2)
-        state.update({f"{p}feed_forward.w1.weight": w1, f"{p}feed_forward.w3.weight": w3})
+        state |= {f"{p}feed_forward.w1.weight": w1, f"{p}feed_forward.w3.weight": w3}
     return Qwen3StateDictAdapter(a, None).to_hf(state)
 
 
-def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bfloat16) -> Qwen3:
+def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bfloat16,
+               activation_checkpointing: bool = False) -> Qwen3:
     """A Hugging Face Qwen3 checkpoint directory -> trainer model on `device`."""
     args = model_args_from_hf_config(json.loads((model_dir / "config.json").read_text()))
     files = sorted(model_dir.glob("*.safetensors"))
@@ -450,11 +520,12 @@ def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bf
         hf_state.update(load_file(f, device=str(device)))
     # Built under the device so the rotary table is computed where vLLM computes it.
     with torch.device(device):
-        model = Qwen3(args, kernels, dtype)
+        model = Qwen3(args, kernels, dtype, activation_checkpointing)
     try:
         model.load_state_dict(from_hf_state_dict(hf_state, args), strict=True)
     except (KeyError, RuntimeError) as e:
-        raise ValueError(f"--model {model_dir}: weights do not match config.json ({str(e).splitlines()[0]})") from e
+        raise ValueError(f"--model {model_dir}: weights do not match config.json "
+                         f"({str(e).splitlines()[0]})") from e
     return model
 
 
@@ -499,58 +570,81 @@ def make_fused_add_rms_norm_batch_invariant() -> None:
 
 
 def weights_checksum(params) -> int:
-    """Order-independent exact checksum of bf16 weights: the sum of their bit patterns. The
-    trainer's and vLLM's layouts hold the same elements, so the sums agree iff nothing is stale."""
+    """Order-independent checksum of bf16 weights: the sum of their bit patterns. The trainer's and
+    vLLM's layouts hold the same elements, so equal weights give equal sums, and a stale or partial
+    push almost surely does not (a sum can collide, but not by the accident of one stale tensor)."""
     return int(torch.stack([p.detach().view(torch.int16).sum(dtype=torch.int64) for p in params]).sum())
 
 
+# CUDA graphs without torch.compile: the graphs replay the very kernels eager mode launches, so
+# the bits stay those the trainer reproduces, while a decode step (most of a rollout) loses its
+# kernel-launch overhead. Compiling would fuse norms, SiLU and rotary into Inductor kernels with
+# other bits. Prefills and mixed steps run eager.
+CUDA_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # mode 0: CompilationMode.NONE
+
+
 class VLLMEngine:
-    """vLLM in this process, on this GPU, serving the checkpoint the trainer loaded: eager (compiled
-    kernels give other bits than the ops the trainer calls), FlashAttention 3, no prefix caching
-    (weights change every step), prompts in and completions out as token ids."""
+    """vLLM in this process, on this GPU, serving the checkpoint the trainer loaded: FlashAttention 3,
+    CUDA graphs without compile (or eager), no prefix caching (weights change every step), prompts
+    in and completions out as token ids. With sleep mode, it gives its GPU memory back while the
+    trainer runs (`sleep`) and takes it again before generating (`wake_up`)."""
 
     def __init__(self, model_dir: Path, gpu_memory_utilization: float, max_model_len: int, seed: int,
-                 max_num_seqs: int = 256):  # fmt: skip
+                 cuda_graphs: bool = True, sleep_mode: bool = True, max_num_seqs: int = 256):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine must run in this process
         import vllm
 
         if vllm.__version__ != "0.20.0":
-            raise ValueError(f"vLLM {vllm.__version__} is installed; this script mirrors vLLM 0.20.0's kernels: pip install vllm==0.20.0")
+            raise ValueError(f"vLLM {vllm.__version__} is installed; this script mirrors vLLM 0.20.0's "
+                             "kernels: pip install vllm==0.20.0")
         if batch_invariant_enabled():
             make_fused_add_rms_norm_batch_invariant()
+        graphs = {"compilation_config": CUDA_GRAPHS} if cuda_graphs else {"enforce_eager": True}
         self.llm = vllm.LLM(
             model=str(model_dir),
             skip_tokenizer_init=True,
             dtype="bfloat16",
             seed=seed,
-            enforce_eager=True,
             enable_prefix_caching=False,
+            enable_sleep_mode=sleep_mode,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3},
+            **graphs,
         )
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int],
-                 stop_token_ids=(), ignore_eos: bool = False):  # fmt: skip
+                 stop_token_ids=(), ignore_eos: bool = False):
         """One completion per prompt. Returns the completion token ids and vLLM's logprob of each
         sampled token (raw: before temperature) as fp32 tensors. Temperature 0 is greedy."""
         from vllm import SamplingParams, TokensPrompt
 
         params = [
             SamplingParams(temperature=temperature, max_tokens=n, seed=s, logprobs=0, detokenize=False,
-                           stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)  # fmt: skip
+                           stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
             for n, s in zip(max_tokens, seeds)
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions, logprobs = [], []
         for out in outputs:
             sample = out.outputs[0]
             completions.append(list(sample.token_ids))
             # A Python float holds an fp32 value exactly: this round trip is lossless.
-            logprobs.append(torch.tensor([lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs)],
-                                         dtype=torch.float32))  # fmt: skip
+            sampled = [lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs)]
+            logprobs.append(torch.tensor(sampled, dtype=torch.float32))
         return completions, logprobs
+
+    def sleep(self) -> None:
+        """Give back the GPU memory of the weights and the KV cache. Level 2 discards the weights
+        rather than copying them to the host: the trainer pushes new ones before the next rollout."""
+        self.llm.sleep(level=2)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Map GPU memory again for "weights" and/or "kv_cache" (at the same addresses, so the
+        captured CUDA graphs stay valid); the contents are not restored."""
+        self.llm.wake_up(tags=tags)
 
     def push_weights(self, model: Qwen3) -> None:
         """Copy the trainer's bf16 weights into the served model in-process, no disk: vLLM's own
@@ -562,7 +656,25 @@ class VLLMEngine:
         return self.llm.apply_model(lambda served: weights_checksum(served.parameters()))[0]
 
     def rotary_table(self) -> torch.Tensor:
-        return self.llm.apply_model(lambda served: served.model.layers[0].self_attn.rotary_emb.cos_sin_cache.cpu())[0]
+        def table(served):
+            return served.model.layers[0].self_attn.rotary_emb.cos_sin_cache.cpu()
+
+        return self.llm.apply_model(table)[0]
+
+
+def sync_weights(engine, model: Qwen3, served_checksum: int, changed: bool) -> int:
+    """The one way weights reach vLLM: give the trainer's cached GPU memory back, wake vLLM's weights,
+    push the trainer's, wake the KV cache, and verify that the served weights now equal the trainer's
+    and have changed if the update changed any. Returns the new served checksum."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the trainer's freed blocks go back to the driver, for vLLM to map
+    engine.wake_up(["weights"])
+    engine.push_weights(model)
+    engine.wake_up(["kv_cache"])
+    checksum = engine.weights_checksum()
+    if checksum != weights_checksum(model.parameters()) or (changed and checksum == served_checksum):
+        raise RuntimeError(f"the weight push did not reach vLLM (checksum {served_checksum} -> {checksum})")
+    return checksum
 
 
 # =============================================================================================
@@ -608,15 +720,6 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], devic
     )
 
 
-def token_logprobs(model: Qwen3, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logprob (C,) and entropy (C,) of every completion token, computed as vLLM's sampler
-    does: lm_head on the rows that predict them (bf16 logits), log_softmax of the fp32 logits."""
-    hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
-    logits = model.kernels.linear(hidden[batch.target_rows], model.output_weight)  # (C, V)
-    return model.kernels.token_logprobs(logits, batch.targets)
-
-
-
 def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     """Consecutive sample indices grouped so each group's total length fits `token_budget`."""
     groups, current, size = [], [], 0
@@ -627,6 +730,21 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
         current.append(i)
         size += n
     return groups + [current] if current else groups
+
+
+def packed_micro_batches(prompts: list[list[int]], completions: list[list[int]], token_budget: int, device):
+    """Yields (sample indices, PackedBatch) over consecutive samples, each at most `token_budget` tokens."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    for idx in micro_batches(lengths, token_budget):
+        yield idx, pack_sequences([prompts[i] for i in idx], [completions[i] for i in idx], device)
+
+
+def token_logprobs(model: Qwen3, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logprob (C,) and entropy (C,) of every completion token, computed as vLLM's sampler
+    does: lm_head on the rows that predict them (bf16 logits), log_softmax of the fp32 logits,
+    one chunk of rows at a time (the full logits of a micro-batch never exist)."""
+    hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+    return model.kernels.lm_head_logprobs(hidden[batch.target_rows], model.output_weight, batch.targets)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool) -> torch.Tensor:
@@ -652,12 +770,13 @@ def k3_kl(logprobs, other_logprobs) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def bf16_hex(x: float) -> str:
-    return f"0x{int(torch.tensor(x).to(torch.bfloat16).view(torch.int16)) & 0xFFFF:04x}"
+def fp32_hex(x: float) -> str:
+    """The fp32 bit pattern: two logprobs one ulp apart print differently (bf16 would hide it)."""
+    return f"0x{int(torch.tensor(x, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF:08x}"
 
 
-def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch.Tensor], tokens: list[list[int]],
-                  show: int) -> tuple[dict, str, str | None]:  # fmt: skip
+def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch.Tensor],
+                  tokens: list[list[int]], show: int) -> tuple[dict, str, str | None]:
     """Compare every sampled token's logprob, exactly (fp32 bit patterns). Returns the metrics, a
     printable report and, on a mismatch, a message naming the first mismatching sample and token."""
     v, t = torch.cat(vllm_logprobs), torch.cat(trainer_logprobs)
@@ -669,9 +788,10 @@ def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torc
         "mean_abs_logprob_diff": float((v - t).abs().mean()),
         "vllm_kl": float(k3_kl(v, t).mean()),  # KL(sampler || trainer), from the sampler's tokens
     }
-    lines = [f"  {'token':>8} {'vllm logprob':>16} {'trainer logprob':>16} {'vllm bf16':>10} {'trainer bf16':>12} {'diff':>10}"]
+    header = ("token", "vllm logprob", "trainer logprob", "vllm fp32 bits", "trainer fp32 bits", "diff")
+    lines = ["  {:>8} {:>16} {:>16} {:>14} {:>17} {:>10}".format(*header)]
     for tok, a, b in list(zip(tokens[0], vllm_logprobs[0].tolist(), trainer_logprobs[0].tolist()))[:show]:
-        lines.append(f"  {tok:>8} {a:>16.9f} {b:>16.9f} {bf16_hex(a):>10} {bf16_hex(b):>12} {b - a:>10.3g}")
+        lines.append(f"  {tok:>8} {a:>16.9f} {b:>16.9f} {fp32_hex(a):>14} {fp32_hex(b):>17} {b - a:>10.3g}")
     lines.append(f"  Bitwise identical: {mismatched == 0}, different tokens {mismatched} / {len(v)}")
     first = None
     if mismatched:
@@ -679,8 +799,9 @@ def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torc
         lens = torch.tensor([len(x) for x in vllm_logprobs]).cumsum(0)
         sample = int((lens <= flat).sum())
         token = flat - (int(lens[sample - 1]) if sample else 0)
-        first = (f"sample {sample} token {token} (id {tokens[sample][token]}): vLLM logprob {float(v[flat])!r} "
-                 f"but trainer {float(t[flat])!r}; {mismatched} of {len(v)} sampled tokens differ")  # fmt: skip
+        first = (f"sample {sample} token {token} (id {tokens[sample][token]}): "
+                 f"vLLM logprob {float(v[flat])!r} but trainer {float(t[flat])!r}; "
+                 f"{mismatched} of {len(v)} sampled tokens differ")
     return metrics, "\n".join(lines if show else lines[-1:]), first
 
 
@@ -729,7 +850,7 @@ class MasterWeights:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # the fp32 gradients free their memory until next step
         change, size = {}, {}
         for master, (name, p) in zip(self.masters, self.named):
             new = master.to(p.dtype)
@@ -737,7 +858,8 @@ class MasterWeights:
             change[layer] = change.get(layer, 0) + (new.float() - p.float()).pow(2).sum()
             size[layer] = size.get(layer, 0) + p.float().pow(2).sum()
             p.copy_(new)
-        deltas = {layer: (float(change[layer].sqrt()), float(change[layer].sqrt() / size[layer].sqrt())) for layer in change}
+        deltas = {layer: (float(change[layer].sqrt()), float(change[layer].sqrt() / size[layer].sqrt()))
+                  for layer in change}
         return float(grad_norm), deltas
 
 
@@ -752,14 +874,23 @@ class Rollouts:
     advantages: torch.Tensor  # (P * G,)
 
 
+def rollout(engine, tokenizer, rows: list[dict], args: Args, step: int, stop_ids) -> Rollouts:
+    """G samples of each question, each request with its own seed, scored by the GSM8K reward."""
+    G = args.samples_per_prompt
+    prompts = [r["prompt_ids"] for r in rows for _ in range(G)]
+    completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), args.temperature,
+                                            rollout_seeds(args.seed, step, len(prompts)), stop_ids)
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    rewards = torch.tensor([gsm8k_reward(text, rows[i // G]["answer"]) for i, text in enumerate(texts)])
+    return Rollouts(prompts, completions, logprobs, rewards, group_advantages(rewards, G, args.std_normalize))
+
+
 @torch.no_grad()
 def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, token_budget: int) -> list[torch.Tensor]:
     """The frozen reference policy's logprob of every sampled token (for the k3 KL term)."""
     out = []
-    lengths = [len(p) + len(c) for p, c in zip(rollouts.prompts, rollouts.completions)]
-    for idx in micro_batches(lengths, token_budget):
-        batch = pack_sequences([rollouts.prompts[i] for i in idx], [rollouts.completions[i] for i in idx],
-                               ref_model.tok_embeddings.weight.device)  # fmt: skip
+    device = ref_model.tok_embeddings.weight.device
+    for _, batch in packed_micro_batches(rollouts.prompts, rollouts.completions, token_budget, device):
         out += token_logprobs(ref_model, batch)[0].split(batch.completion_lens)
     return out
 
@@ -769,16 +900,14 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     The training forward's logprobs are also the ones checked against vLLM: parity costs no extra
     forward. Returns per-token means of the loss terms and the trainer's logprobs per sample."""
     device = model.tok_embeddings.weight.device
-    completion_lens = [len(c) for c in rollouts.completions]
-    n_tokens = sum(completion_lens)
+    n_tokens = sum(len(c) for c in rollouts.completions)
     names = ("loss", "pg_loss", "kl_div", "entropy", "ratio_mean", "ratio_clipped_frac")
     sums, logprobs_all = [], []  # per micro-batch, kept on the GPU
-    lengths = [len(p) + n for p, n in zip(rollouts.prompts, completion_lens)]
-    for idx in micro_batches(lengths, args.max_tokens_per_microbatch):
-        batch = pack_sequences([rollouts.prompts[i] for i in idx], [rollouts.completions[i] for i in idx], device)
+    token_budget = args.max_tokens_per_microbatch
+    for idx, batch in packed_micro_batches(rollouts.prompts, rollouts.completions, token_budget, device):
         logprobs, entropy = token_logprobs(model, batch)  # (C,), (C,)
         lens = torch.tensor(batch.completion_lens, device=device)
-        advantages = rollouts.advantages[idx].to(device).repeat_interleave(lens)  # a sample's advantage on each token
+        advantages = rollouts.advantages[idx].to(device).repeat_interleave(lens)  # a sample's on each token
         rollout_lp = torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)
         pg_loss, ratio, clipped = ppo_clip_loss(logprobs, rollout_lp, advantages, args.clip_eps)
         loss, kl = pg_loss, torch.zeros_like(pg_loss)
@@ -791,7 +920,8 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
         # gradient that of one big batch.
         (loss.sum() / n_tokens).backward()
         optimizer.accumulate_grads()
-        sums.append(torch.stack([t.detach().sum() for t in (loss, pg_loss, kl, entropy, ratio, clipped.float())]))
+        terms = (loss, pg_loss, kl, entropy, ratio, clipped.float())
+        sums.append(torch.stack([t.detach().sum() for t in terms]))
         logprobs_all.append(logprobs.detach())
     # One copy to the host for the whole step (a sync per micro-batch would stall the GPU); the
     # division happens there, exactly: CUDA divides by a scalar through its reciprocal, which would
@@ -799,17 +929,17 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     metrics = {name: total / n_tokens for name, total in zip(names, torch.stack(sums).sum(0).tolist())}
     if ref_logprobs is None:
         del metrics["kl_div"]  # not measured: no reference model
-    return metrics, list(torch.cat(logprobs_all).cpu().split(completion_lens))
+    return metrics, list(torch.cat(logprobs_all).cpu().split([len(c) for c in rollouts.completions]))
 
 
 def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Args) -> float:
     """One supervised warm-start step: maximise the logprob of each reference answer after its
     prompt (teacher forcing, the very forward GRPO uses). Returns the mean token loss."""
     device = model.tok_embeddings.weight.device
-    n_tokens = sum(len(r["answer_ids"]) for r in rows)
+    prompts, answers = [r["prompt_ids"] for r in rows], [r["answer_ids"] for r in rows]
+    n_tokens = sum(len(a) for a in answers)
     total = 0.0
-    for idx in micro_batches([len(r["prompt_ids"]) + len(r["answer_ids"]) for r in rows], args.max_tokens_per_microbatch):
-        batch = pack_sequences([rows[i]["prompt_ids"] for i in idx], [rows[i]["answer_ids"] for i in idx], device)
+    for _, batch in packed_micro_batches(prompts, answers, args.max_tokens_per_microbatch, device):
         loss = -token_logprobs(model, batch)[0].sum() / n_tokens
         loss.backward()
         optimizer.accumulate_grads()
@@ -825,10 +955,10 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
 
 def evaluate(engine, tokenizer, rows: list[dict], max_new_tokens: int, stop_token_ids) -> float:
     """Greedy accuracy of the served policy on GSM8K test questions."""
-    completions, _ = engine.generate([r["prompt_ids"] for r in rows], [max_new_tokens] * len(rows), temperature=0.0,
-                                     seeds=[0] * len(rows), stop_token_ids=stop_token_ids)  # fmt: skip
-    rewards = [gsm8k_reward(tokenizer.decode(c, skip_special_tokens=True), r["answer"]) for c, r in zip(completions, rows)]
-    return sum(rewards) / len(rows)
+    completions, _ = engine.generate([r["prompt_ids"] for r in rows], [max_new_tokens] * len(rows), 0.0,
+                                     [0] * len(rows), stop_token_ids)
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    return sum(gsm8k_reward(text, r["answer"]) for text, r in zip(texts, rows)) / len(rows)
 
 
 # =============================================================================================
@@ -844,153 +974,206 @@ class ParityError(Exception):
     """A sampled token whose trainer logprob is not bitwise vLLM's (exit status 1)."""
 
 
-def rollout_seeds(seed: int, step: int, n: int) -> list[int]:
-    """One sampling seed per request, unique over the run: completions depend on nothing else."""
-    return [seed * 1_000_000_000 + step * n + j for j in range(n)]
-
-
 def stop_token_ids(tokenizer, model_dir: Path) -> list[int]:
     eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id")
     ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])
     ids.discard(None)
     if not ids:
-        raise UsageError(f"{model_dir}: neither the tokenizer nor config.json names an end-of-sequence token")
+        raise ValueError(f"{model_dir}: neither the tokenizer nor config.json names an end-of-sequence token")
     return sorted(ids)
 
 
-def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
-    """Train; returns the run's TensorBoard directory. `engine_class` replaces vLLM in CPU tests."""
-    from torch.utils.tensorboard import SummaryWriter
-    from tqdm import tqdm
+@dataclass
+class Inputs:
+    """Everything read before the engine starts: a bad input fails before anything slow."""
+
+    model_dir: Path
+    tokenizer: object
+    stop_ids: list[int]
+    train_rows: list[dict]
+    eval_rows: list[dict]
+
+
+def load_inputs(args: Args) -> Inputs:
     from transformers import AutoTokenizer
 
+    model_dir = resolve_model_dir(args.model)
+    model_args_from_hf_config(json.loads((model_dir / "config.json").read_text()))
     try:
-        validate(args)
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on one GPU")
-        model_dir = resolve_model_dir(args.model)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        except Exception as e:
-            raise ValueError(f"--model {args.model}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})") from e
-        stop_ids = stop_token_ids(tokenizer, model_dir)
-        train_rows = encode_dataset(load_gsm8k(args.dataset, "train"), tokenizer, args, "train set")
-        eval_rows = encode_dataset(load_gsm8k(args.eval_dataset, "test"), tokenizer, args, "eval set")[: args.eval_samples] if args.eval_every else []  # fmt: skip
-        seed_everything(args.seed)
-        engine = (engine_class or VLLMEngine)(model_dir, args.vllm_gpu_memory, args.max_prompt_tokens + args.max_new_tokens, args.seed)
-        model = load_qwen3(model_dir, device)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-    served_checksum = engine.weights_checksum()
-    if served_checksum != weights_checksum(model.parameters()):
-        raise UsageError(f"vLLM serves other weights than the trainer loaded from {model_dir} (is it a bf16 Qwen3 checkpoint?)")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:
+        raise ValueError(f"--model {args.model}: cannot load its tokenizer "
+                         f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    train_rows = encode_dataset(load_gsm8k(args.dataset, "train"), tokenizer, args, "train set")
+    eval_rows = []
+    if args.eval_every:
+        eval_rows = encode_dataset(load_gsm8k(args.eval_dataset, "test"), tokenizer, args, "eval set")
+    return Inputs(model_dir, tokenizer, stop_token_ids(tokenizer, model_dir), train_rows,
+                  eval_rows[: args.eval_samples])
 
-    run_name = args.run_name or time.strftime("grpo_%Y%m%d_%H%M%S")
-    run_dir, ckpt_dir = Path("runs") / run_name, Path(args.output_dir) / run_name
-    writer = SummaryWriter(str(run_dir))
-    writer.add_text("config", "| flag | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in asdict(args).items())
-                    + f"\n| VLLM_BATCH_INVARIANT | {int(batch_invariant_enabled())} |")  # fmt: skip
-    order = list(range(len(train_rows)))
-    random.Random(args.seed).shuffle(order)
 
-    if args.sft_steps:
-        # Answers follow the prompt as the model should write them, then end of sequence.
-        prefix = " " if args.prompt_format == "plain" or tokenizer.chat_template is None else ""
-        for r in train_rows:
-            r["answer_ids"] = tokenizer.encode(prefix + r["answer"], add_special_tokens=False) + [stop_ids[0]]
-        sft_optimizer = MasterWeights(model, args.sft_lr, args.weight_decay)
-        B = args.sft_batch_size
-        for step in tqdm(range(args.sft_steps), desc="warm start", unit="step", file=sys.stdout):
-            loss = sft_step(model, sft_optimizer, [train_rows[order[(step * B + i) % len(order)]] for i in range(B)], args)
-            writer.add_scalar("sft/loss", loss, step)
-        del sft_optimizer
-        engine.push_weights(model)
-        served_checksum = engine.weights_checksum()
-        if served_checksum != weights_checksum(model.parameters()):
-            raise RuntimeError("the warm-started weights did not reach vLLM")
+def gpu_memory_in_use_gib() -> float:
+    """GPU memory in use on the whole device (what nvidia-smi shows): vLLM's, the trainer's and the
+    CUDA context's. At the end of a phase it is that phase's peak: PyTorch's caching allocator
+    keeps what it reserved until `torch.cuda.empty_cache()`."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
+
+
+@contextmanager
+def phase(name: str, times: dict, memory: dict):
+    """Time a phase of the step, its queued GPU work included, and record the memory in use at its end."""
+    start = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        memory[name] = gpu_memory_in_use_gib()
+    times[name] = time.perf_counter() - start
+
+
+def open_tensorboard(args: Args):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(Path("runs") / args.run_name))
+    rows = [f"| {k} | {v} |" for k, v in asdict(args).items()]
+    rows.append(f"| VLLM_BATCH_INVARIANT | {int(batch_invariant_enabled())} |")
+    writer.add_text("config", "| flag | value |\n|---|---|\n" + "\n".join(rows))
+    return writer
+
+
+def warm_start(model: Qwen3, inputs: Inputs, order: list[int], args: Args, writer) -> None:
+    """--sft-steps of teacher forcing on reference answers (with their own optimizer state)."""
+    from tqdm import tqdm
+
+    # Answers follow the prompt as the model should write them, then end of sequence.
+    prefix = " " if args.prompt_format == "plain" or inputs.tokenizer.chat_template is None else ""
+    for r in inputs.train_rows:
+        answer = inputs.tokenizer.encode(prefix + r["answer"], add_special_tokens=False)
+        r["answer_ids"] = answer + inputs.stop_ids[:1]
+    optimizer = MasterWeights(model, args.sft_lr, args.weight_decay)
+    for step in tqdm(range(args.sft_steps), desc="warm start", unit="step", file=sys.stdout):
+        rows = step_rows(inputs.train_rows, order, step, args.sft_batch_size)
+        loss = sft_step(model, optimizer, rows, args)
+        writer.add_scalar("sft/loss", loss, step)
+
+
+def log_step(writer, step: int, scalars: dict, line: str) -> None:
+    """The one place a GRPO step is logged: TensorBoard scalars, and one line on the terminal."""
+    from tqdm import tqdm
+
+    for key, value in scalars.items():
+        writer.add_scalar(key, value, step)
+    tqdm.write(line)
+
+
+def step_scalars(rollouts: Rollouts, loss_metrics: dict, parity: dict, grad_norm: float, lr: float,
+                 deltas: dict, times: dict, memory: dict) -> dict:
+    n_generated = sum(len(c) for c in rollouts.completions)
+    scalars = {f"train/{k}": v for k, v in loss_metrics.items()} | {
+        "train/grad_norm": grad_norm, "train/lr": lr,
+        "reward/reward_mean": float(rollouts.rewards.mean()),
+        "reward/reward_std": float(rollouts.rewards.std()),
+        "reward/completion_tokens_mean": n_generated / len(rollouts.completions),
+        "perf/generate_tokens_per_s": n_generated / times["generate"],
+        "perf/train_tokens_per_s": n_generated / times["train"],
+    }
+    scalars |= {f"parity/{k}": v for k, v in parity.items()}
+    scalars |= {f"time/{k}": v for k, v in times.items()} | {f"memory/{k}_gib": v for k, v in memory.items()}
+    for layer, (magnitude, relative) in deltas.items():
+        scalars[f"weight_delta/{layer}/magnitude"] = magnitude
+        scalars[f"weight_delta/{layer}/relative_change"] = relative
+    return scalars
+
+
+def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], writer, served_checksum: int):
+    """The GRPO loop: vLLM samples while the trainer's weights wait in memory; vLLM sleeps while the
+    trainer trains; then the new weights wake vLLM up."""
+    from tqdm import tqdm
 
     def log_eval(updates: int) -> None:  # logged at the number of GRPO updates made so far
-        accuracy = evaluate(engine, tokenizer, eval_rows, args.max_new_tokens, stop_ids)
+        accuracy = evaluate(engine, inputs.tokenizer, inputs.eval_rows, args.max_new_tokens, inputs.stop_ids)
         writer.add_scalar("eval/accuracy", accuracy, updates)
-        tqdm.write(f"after {updates} GRPO steps: greedy accuracy {accuracy:.3f} on {len(eval_rows)} test questions")
+        tqdm.write(f"after {updates} GRPO steps: greedy accuracy {accuracy:.3f} "
+                   f"on {len(inputs.eval_rows)} test questions")
 
-    if args.eval_every:
-        log_eval(0)
-
-    # GRPO from here: the reference policy (for KL) is the policy it starts from.
+    # The reference policy (for KL) is the policy GRPO starts from.
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None
     optimizer = MasterWeights(model, args.lr, args.weight_decay)
-    P, G = args.prompts_per_step, args.samples_per_prompt
-
+    if args.eval_every:
+        log_eval(0)
     for step in tqdm(range(args.steps), desc="GRPO", unit="step", file=sys.stdout):
-        # Rollouts: G samples of each of P questions, each request with its own seed.
-        t0 = time.perf_counter()
-        rows = [train_rows[order[(step * P + i) % len(order)]] for i in range(P)]
-        prompts = [r["prompt_ids"] for r in rows for _ in range(G)]
-        completions, vllm_logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), args.temperature,
-                                                     rollout_seeds(args.seed, step, len(prompts)), stop_ids)  # fmt: skip
-        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        rewards = torch.tensor([gsm8k_reward(text, rows[i // G]["answer"]) for i, text in enumerate(texts)])
-        rollouts = Rollouts(prompts, completions, vllm_logprobs, rewards, group_advantages(rewards, G, args.std_normalize))
-        n_generated = sum(len(c) for c in completions)
-
-        t1 = time.perf_counter()
-        ref_lps = reference_logprobs(ref_model, rollouts, args.max_tokens_per_microbatch) if ref_model else None
-
-        t2 = time.perf_counter()
-        loss_metrics, trainer_logprobs = train_on_rollouts(model, optimizer, rollouts, ref_lps, args)
-        parity, report, first_mismatch = parity_report(vllm_logprobs, trainer_logprobs, completions, args.parity_report_tokens)
-        for key, value in parity.items():
-            writer.add_scalar(f"parity/{key}", value, step)
-        tqdm.write(f"step {step} parity (first tokens of sample 0):\n{report}" if args.parity_report_tokens else report)
-        if first_mismatch and args.assert_bitwise:
-            writer.close()
-            raise ParityError(f"step {step}: {first_mismatch}")  # before the update: the weights stay as sampled
-        lr = lr_at(step, args)
-        grad_norm, deltas = optimizer.step(lr, args.max_grad_norm)
-        if device == "cuda":
-            torch.cuda.synchronize()  # so that the train time includes the GPU's work
-
-        t3 = time.perf_counter()
-        engine.push_weights(model)
-        # The served weights must now equal the trainer's, and have changed if the step changed any.
-        before, served_checksum = served_checksum, engine.weights_checksum()
-        if served_checksum != weights_checksum(model.parameters()) or (
-            served_checksum == before and any(magnitude for magnitude, _ in deltas.values())
-        ):
-            raise RuntimeError(f"step {step}: the weight push did not reach vLLM (checksum {before} -> {served_checksum})")
-        t4 = time.perf_counter()
-
-        scalars = {f"train/{k}": v for k, v in loss_metrics.items()} | {
-            "train/grad_norm": grad_norm, "train/lr": lr,
-            "reward/reward_mean": float(rewards.mean()), "reward/reward_std": float(rewards.std()),
-            "reward/completion_tokens_mean": n_generated / len(completions),
-            "perf/generate_tokens_per_s": n_generated / (t1 - t0), "perf/train_tokens_per_s": n_generated / (t3 - t2),
-            "time/generate": t1 - t0, "time/logprobs": t2 - t1, "time/train": t3 - t2, "time/push": t4 - t3,
-        }  # fmt: skip
-        for layer, (magnitude, relative) in deltas.items():
-            scalars[f"weight_delta/{layer}/magnitude"] = magnitude
-            scalars[f"weight_delta/{layer}/relative_change"] = relative
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
-        tqdm.write(f"step {step}: reward {scalars['reward/reward_mean']:.3f} loss {loss_metrics['loss']:+.5f} "
-                   f"ratio {loss_metrics['ratio_mean']:.6f} grad {grad_norm:.3f} | generate {t1 - t0:.1f}s "
-                   f"logprobs {t2 - t1:.1f}s train {t3 - t2:.1f}s push {t4 - t3:.2f}s")  # fmt: skip
-
+        times, memory = {}, {}
+        with phase("generate", times, memory):
+            rows = step_rows(inputs.train_rows, order, step, args.prompts_per_step)
+            rollouts = rollout(engine, inputs.tokenizer, rows, args, step, inputs.stop_ids)
+        engine.sleep()
+        with phase("logprobs", times, memory):
+            ref_lps = None
+            if ref_model is not None:
+                ref_lps = reference_logprobs(ref_model, rollouts, args.max_tokens_per_microbatch)
+        with phase("train", times, memory):
+            loss_metrics, trainer_logprobs = train_on_rollouts(model, optimizer, rollouts, ref_lps, args)
+            parity, report, first_mismatch = parity_report(rollouts.vllm_logprobs, trainer_logprobs,
+                                                           rollouts.completions, args.parity_report_tokens)
+            heading = f"step {step} parity (first tokens of sample 0):\n" if args.parity_report_tokens else ""
+            tqdm.write(heading + report)
+            if first_mismatch and args.assert_bitwise:
+                log_step(writer, step, {f"parity/{k}": v for k, v in parity.items()}, "parity broken")
+                raise ParityError(f"step {step}: {first_mismatch}")  # before the update: weights as sampled
+            lr = lr_at(step, args)
+            grad_norm, deltas = optimizer.step(lr, args.max_grad_norm)
+        with phase("push", times, memory):
+            changed = any(magnitude for magnitude, _ in deltas.values())
+            served_checksum = sync_weights(engine, model, served_checksum, changed)
+        scalars = step_scalars(rollouts, loss_metrics, parity, grad_norm, lr, deltas, times, memory)
+        line = (f"step {step}: reward {scalars['reward/reward_mean']:.3f} loss {loss_metrics['loss']:+.5f} "
+                f"ratio {loss_metrics['ratio_mean']:.6f} grad {grad_norm:.3f} | "
+                + " ".join(f"{k} {v:.2f}s" for k, v in times.items()))
+        log_step(writer, step, scalars, line + (f" | GPU {max(memory.values()):.1f} GiB" if memory else ""))
         last = step == args.steps - 1
         if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
             log_eval(step + 1)
         if (args.save_every and (step + 1) % args.save_every == 0) or last:
-            save_hf_checkpoint(model, model_dir, ckpt_dir / f"step_{step + 1:06d}")
+            ckpt_dir = Path(args.output_dir) / args.run_name / f"step_{step + 1:06d}"
+            save_hf_checkpoint(model, inputs.model_dir, ckpt_dir)
+
+
+def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
+    """Train; returns the run's TensorBoard directory. `engine_class` replaces vLLM in CPU tests."""
+    try:
+        args = validate(args)
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on one GPU")
+        inputs = load_inputs(args)
+        seed_everything(args.seed)
+        # vLLM first: it claims --vllm-gpu-memory of a GPU that is still empty.
+        engine = (engine_class or VLLMEngine)(inputs.model_dir, args.vllm_gpu_memory,
+                                              args.max_prompt_tokens + args.max_new_tokens, args.seed,
+                                              cuda_graphs=args.vllm_cuda_graphs)
+        model = load_qwen3(inputs.model_dir, device, activation_checkpointing=args.activation_checkpointing)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    served_checksum = engine.weights_checksum()
+    if served_checksum != weights_checksum(model.parameters()):
+        raise UsageError(f"vLLM serves other weights than the trainer loaded from {inputs.model_dir} "
+                         "(is it a bf16 Qwen3 checkpoint?)")
+    writer = open_tensorboard(args)
+    order = list(range(len(inputs.train_rows)))
+    random.Random(args.seed).shuffle(order)
+    if args.sft_steps:
+        engine.sleep()
+        warm_start(model, inputs, order, args, writer)
+        served_checksum = sync_weights(engine, model, served_checksum, changed=True)
+    grpo(args, engine, model, inputs, order, writer, served_checksum)
     writer.close()
-    return run_dir
+    return Path(writer.log_dir)
 
 
 if __name__ == "__main__":
     import tyro
 
     try:
-        main(tyro.cli(Args, description=__doc__.split("\n")[0]))
+        main(tyro.cli(Args, description=__doc__.split("\n\n")[0].replace("\n", " ")))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

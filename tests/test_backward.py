@@ -32,8 +32,8 @@ def cases():
         "attention": (bib.FlashAttention.apply, lambda q, k, v, cu, m, s: bib.attention_reference(q, k, v, cu, s)[0],
                       (torch.randn(T, 4, 3, **f64), torch.randn(T, 2, 3, **f64), torch.randn(T, 2, 3, **f64)),
                       (cu, max_len, 0.6)),
-        "token_logprobs": (bib.TokenLogprobs.apply, bib.token_logprobs_reference,
-                           (torch.randn(T, 11, **f64),), (torch.randint(0, 11, (T,)),)),
+        "lm_head_logprobs": (bib.LMHeadLogprobs.apply, bib.lm_head_logprobs_reference,
+                             (torch.randn(T, 6, **f64), torch.randn(11, 6, **f64)), (torch.randint(0, 11, (T,)),)),
     }  # fmt: skip
 
 
@@ -73,11 +73,15 @@ def test_attention_reference_is_causal_per_sequence():
     assert not torch.equal(out[:4], out2[:4])
 
 
-def test_token_logprobs_backward_without_entropy():
-    """When only the logprobs are used, the backward takes its entropy-free path."""
+def test_lm_head_logprobs_backward_without_entropy_and_over_chunks(monkeypatch):
+    """When only the logprobs are used, the backward takes its entropy-free path; and rows split
+    into several chunks (3 rows each here) give what one chunk gives."""
     torch.manual_seed(0)
-    logits, targets = torch.randn(9, 13, **f64), torch.randint(0, 13, (9,))
-    assert torch.autograd.gradcheck(lambda z: bib.TokenLogprobs.apply(z, targets)[0], (logits,))
-    (grad,) = torch.autograd.grad(bib.TokenLogprobs.apply(logits, targets)[0].sum(), logits)
-    (ref,) = torch.autograd.grad(bib.token_logprobs_reference(logits, targets)[0].sum(), logits)
-    torch.testing.assert_close(grad, ref, rtol=1e-12, atol=1e-12)
+    hidden, weight, targets = torch.randn(10, 5, **f64), torch.randn(13, 5, **f64), torch.randint(0, 13, (10,))
+    monkeypatch.setattr(bib.LMHeadLogprobs, "ROWS_PER_CHUNK_TIMES_VOCAB", 3 * 13)
+    assert torch.autograd.gradcheck(lambda h, w: bib.LMHeadLogprobs.apply(h, w, targets)[0], (hidden, weight))
+    grads = torch.autograd.grad(bib.LMHeadLogprobs.apply(hidden, weight, targets)[0].sum(), (hidden, weight))
+    refs = torch.autograd.grad(bib.lm_head_logprobs_reference(hidden, weight, targets)[0].sum(), (hidden, weight))
+    for g, r in zip(grads, refs):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda h, w: bib.LMHeadLogprobs.apply(h, w, targets), (hidden, weight))

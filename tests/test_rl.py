@@ -111,12 +111,16 @@ def test_parity_report_names_the_first_mismatch():
     same = [t.clone() for t in vllm]
     metrics, report, first = simple_rl.parity_report(vllm, same, [[5, 6], [7, 8, 9]], show=2)
     assert metrics["mismatched_tokens"] == 0 and metrics["vllm_kl"] == 0 and first is None
-    assert "Bitwise identical: True, different tokens 0 / 5" in report and "0xbf80" in report
+    assert "Bitwise identical: True, different tokens 0 / 5" in report and "0xbf800000" in report
     off = [t.clone() for t in vllm]
     off[1][1] = torch.nextafter(off[1][1], torch.tensor(0.0))  # one ulp
     metrics, report, first = simple_rl.parity_report(vllm, off, [[5, 6], [7, 8, 9]], show=0)
     assert metrics["mismatched_tokens"] == 1 and metrics["max_abs_logprob_diff"] > 0
     assert first.startswith("sample 1 token 1 (id 8)") and "Bitwise identical: False" in report
+    # The printed fp32 bits tell apart two logprobs one ulp apart, which bf16 rounds together.
+    _, report, _ = simple_rl.parity_report(vllm[1:], off[1:], [[7, 8, 9]], show=2)
+    row = report.splitlines()[2].split()
+    assert row[3] == "0xbe800000" and row[4] == "0xbe7fffff"
 
 
 # --- bad input ----------------------------------------------------------------------------------
@@ -142,10 +146,13 @@ def test_bad_flags_give_one_line_errors(tmp_path):
     cases = [
         (["--samples-per-prompt", "1"], ON, "at least 2"),
         (["--temperature", "0"], ON, "--temperature"),
-        (["--warmup-steps", "500", "--steps", "10"], ON, "--warmup-steps"),
+        (["--warmup-steps", "-1"], ON, "--warmup-steps must be >= 0"),
+        (["--max-tokens-per-microbatch", "100"], ON, "must hold one whole sequence"),
         (["--vllm-gpu-memory", "1.5"], ON, "--vllm-gpu-memory"),
         (["--dataset", "x.jsonl"], ON, "--eval-dataset"),
-        ([], {}, "VLLM_BATCH_INVARIANT=1 is not set"),
+        ([], {}, "VLLM_BATCH_INVARIANT is not set, so vLLM's logprobs cannot equal the trainer's"),
+        ([], {"VLLM_BATCH_INVARIANT": "0"}, "VLLM_BATCH_INVARIANT is 0, so"),
+        ([], {"VLLM_BATCH_INVARIANT": "true"}, "VLLM_BATCH_INVARIANT is 'true', but vLLM reads it as an integer"),
     ]
     for flags, env, message in cases:
         assert message in one_line_error(run_script(*flags, env_update=env, cwd=tmp_path)), flags
@@ -156,9 +163,11 @@ def test_bad_files_give_one_line_errors(tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", gsm8k_rows("test", 3))
     missing_field = write_jsonl(tmp_path / "a.jsonl", [{"question": "q", "answer": "#### 1"}, {"question": "q"}])
     no_number = write_jsonl(tmp_path / "b.jsonl", [{"question": "q", "answer": "none"}])
+    no_hashes = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "so 3 + 4 = 7"}])
     (tmp_path / "c.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{not json\n')
     for path, message in [(tmp_path / "nope.jsonl", "no such file"), (missing_field, "line 2: need a JSON object"),
-                          (no_number, "line 1: the answer has no final number"), (tmp_path / "c.jsonl", "line 2: not valid JSON")]:  # fmt: skip
+                          (no_number, "line 1: the answer has no final '#### N'"),
+                          (no_hashes, "line 1: the answer has no final '#### N'"), (tmp_path / "c.jsonl", "line 2: not valid JSON")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             simple_rl.load_gsm8k(str(path), "train")
     assert len(simple_rl.load_gsm8k(str(good), "train")) == 3
@@ -177,13 +186,31 @@ def test_missing_gpu_is_reported(tmp_path):
 
 class TrainerAsSampler:
     """Test double for vLLM, which cannot run on a CPU: samples from the checkpoint with this
-    project's own Qwen3 (CPU reference path) and returns its logprobs of the sampled tokens."""
+    project's own Qwen3 (CPU reference path) and returns its logprobs of the sampled tokens. It
+    holds the script to vLLM's sleep-mode protocol: generate only when awake, push only into
+    woken weights (their contents lost while asleep, as vLLM's level-2 sleep loses them)."""
 
-    def __init__(self, model_dir, gpu_memory_utilization, max_model_len, seed):
+    def __init__(self, model_dir, gpu_memory_utilization, max_model_len, seed, cuda_graphs):
         self.model = simple_rl.load_qwen3(model_dir, "cpu")
+        self.asleep, self.calls = set(), []
+
+    def sleep(self):
+        assert not self.asleep, "sleep() while already asleep"
+        self.asleep = {"weights", "kv_cache"}
+        self.calls.append("sleep")
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.fill_(float("nan"))  # level 2 discards the weights
+
+    def wake_up(self, tags):
+        assert set(tags) <= self.asleep, f"wake_up({tags}) of tags not asleep"
+        self.asleep -= set(tags)
+        self.calls.append(f"wake_up {','.join(tags)}")
 
     @torch.no_grad()
     def generate(self, prompts, max_tokens, temperature, seeds, stop_token_ids=(), ignore_eos=False):
+        assert not self.asleep, "generate() while asleep"
+        self.calls.append("generate")
         completions, logprobs = [], []
         for prompt, n, seed in zip(prompts, max_tokens, seeds):
             g = torch.Generator().manual_seed(seed)
@@ -200,13 +227,15 @@ class TrainerAsSampler:
         return completions, logprobs
 
     def push_weights(self, model):
+        assert "weights" not in self.asleep, "push into sleeping weights"
+        self.calls.append("push")
         self.model.load_state_dict(model.state_dict())
 
     def weights_checksum(self):
         return simple_rl.weights_checksum(self.model.parameters())
 
 
-def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
+def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM
 
@@ -216,9 +245,24 @@ def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = simple_rl.Args(model=str(model_dir), dataset=str(train), eval_dataset=str(test), run_name="smoke",
                           steps=3, prompts_per_step=2, samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400,
-                          max_tokens_per_microbatch=500, warmup_steps=1, lr=1e-3, kl_coef=0.01, entropy_coef=0.01,
+                          max_tokens_per_microbatch=500, lr=1e-3, kl_coef=0.01, entropy_coef=0.01,
+                          sft_steps=1, sft_batch_size=2, activation_checkpointing=True,
                           eval_every=2, eval_samples=3, assert_bitwise=False)  # fmt: skip
-    run_dir = simple_rl.main(args, device="cpu", engine_class=TrainerAsSampler)
+    engines = []
+
+    def engine_class(*a, **kw):
+        engines.append(TrainerAsSampler(*a, **kw))
+        return engines[-1]
+
+    run_dir = simple_rl.main(args, device="cpu", engine_class=engine_class)
+    assert "the learning rate warms up over all 3 steps" in capsys.readouterr().out  # default --warmup-steps 10
+
+    # vLLM and the trainer take turns: sleep for the warm start and every train step; weights woken,
+    # pushed, then the KV cache woken before anything is generated again.
+    sync = ["wake_up weights", "push", "wake_up kv_cache"]
+    step = ["generate", "sleep", *sync]
+    evaluation = ["generate"]
+    assert engines[0].calls == ["sleep", *sync, *evaluation, *step, *step, *evaluation, *step, *evaluation]
 
     events = EventAccumulator(str(run_dir)).Reload()
     tags = set(events.Tags()["scalars"])
