@@ -1,25 +1,255 @@
-"""Trainer forward + backward speed and peak memory against a plain PyTorch reference, same run.
+"""What exactness costs: one GRPO step of simple_rl.py against a standard non-exact step, same run.
 
-    python bench.py                      # Qwen3-1.7B shape, random weights, 8 sequences x 1024 tokens
+    python bench.py                     # Qwen3-1.7B shape, the script's default config
+    python bench.py --shape 4b          # Qwen3-4B shape
+    python bench.py --trainer-only      # the trainer's forward + backward against HF transformers
+    python bench.py --write-model DIR --gsm8k train.jsonl   # a random model at --shape, to run the script
 
-The reference is Hugging Face transformers' Qwen3ForCausalLM (SDPA attention, bf16), the trainer is
-simple_rl.Qwen3 with vLLM's batch-invariant kernels. Both compute the fp32 log-probability of every
-next token from full-vocabulary logits and back-propagate their sum; printed: tokens/s, peak GiB,
-and the trainer/reference ratios. Peak memory is what a step adds to the resident weights.
+Step benchmark. Both sides run the same GRPO step on the same random weights, the same prompts
+(--prompts random token prompts of 80-200 tokens, --samples each) and the same lengths (every
+completion is --max-new-tokens long: `ignore_eos`), and share one GPU in turns with vLLM's sleep
+mode at the same --vllm-gpu-memory:
+- exact: simple_rl.py's own step with VLLM_BATCH_INVARIANT=1: vLLM batch-invariant with CUDA
+  graphs and no compile, the trainer on vLLM's kernels in packed micro-batches, every sampled
+  token's logprob asserted bitwise equal, the in-process push verified by checksum;
+- standard: vLLM's defaults (torch.compile + CUDA graphs, batch invariance off) and Hugging Face
+  transformers' Qwen3 (SDPA, padded micro-batches of as many tokens), the same PPO-clip loss, AdamW
+  on fp32 master weights, the in-process push.
+Each side runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import): one warm-up step,
+then the median of --iters steps per phase. Peak GPU memory is the whole device's, as nvidia-smi
+reports it, polled every 5 ms (vLLM, the trainer and the CUDA context: the whole process).
 """
 
 import argparse
 import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import simple_rl
+from offline_demo import qwen3_config, write_checkpoint, write_tokenizer
 
-QWEN3_1P7B = dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128, intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
-                  rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=True, model_type="qwen3")  # fmt: skip
+HERE = Path(__file__).resolve().parent
+SHAPES = {
+    "1.7b": dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=6144, tie=True),
+    "4b": dict(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, tie=True),
+    "8b": dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, tie=False),
+}
+
+
+def shape_config(shape: str, layers: int | None = None, eos_token_id: int = 1) -> dict:
+    """The Hugging Face config.json of a Qwen3 shape (vocabulary 151936, 40960 positions)."""
+    sizes = SHAPES[shape] | ({"layers": layers} if layers else {})
+    return qwen3_config(**sizes, vocab=151936, max_positions=40960, eos_token_id=eos_token_id)
+
+
+class PeakGPUMemory:
+    """The whole device's memory in use, polled by NVML every 5 ms in a thread: its maximum, GiB."""
+
+    def __init__(self):
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = torch.cuda.current_device()
+        self.handle, self.nvml, self.peak, self.running = pynvml.nvmlDeviceGetHandleByIndex(index), pynvml, 0, True
+        self.thread = threading.Thread(target=self.poll, daemon=True)
+        self.thread.start()
+
+    def poll(self):
+        while self.running:
+            self.peak = max(self.peak, self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+            time.sleep(0.005)
+
+    def stop(self) -> float:
+        self.running = False
+        self.thread.join()
+        return self.peak / 2**30
+
+
+# --- the two sides of the step benchmark ------------------------------------------------------------
+
+
+def bench_prompts(args) -> tuple[list[list[int]], torch.Tensor]:
+    """--prompts random prompts of 80-200 tokens, each repeated --samples times, and fixed 0/1
+    rewards (a random model never answers a question: the rewards only make the gradient real)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(80, 201, (args.prompts,), generator=g).tolist()
+    prompts = [torch.randint(0, 151936, (n,), generator=g).tolist() for n in lengths]
+    rewards = torch.randint(0, 2, (args.prompts * args.samples,), generator=g).float()
+    return [p for p in prompts for _ in range(args.samples)], rewards
+
+
+def exact_step_runner(ckpt: Path, args):
+    """simple_rl.py's own GRPO step: returns a function that runs one and returns its phase times."""
+    config = simple_rl.Args(prompts_per_step=args.prompts, samples_per_prompt=args.samples,
+                            max_new_tokens=args.max_new_tokens, vllm_gpu_memory=args.vllm_gpu_memory,
+                            max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                            activation_checkpointing=args.activation_checkpointing)
+    engine = simple_rl.VLLMEngine(ckpt, config.vllm_gpu_memory, config.max_prompt_tokens + config.max_new_tokens,
+                                  seed=0, cuda_graphs=config.vllm_cuda_graphs)
+    model = simple_rl.load_qwen3(ckpt, "cuda", activation_checkpointing=config.activation_checkpointing)
+    optimizer = simple_rl.MasterWeights(model, config.lr, config.weight_decay)
+    prompts, rewards = bench_prompts(args)
+    advantages = simple_rl.group_advantages(rewards, args.samples, config.std_normalize)
+    checksum = engine.weights_checksum()
+
+    def step(i: int) -> tuple[dict, dict]:
+        nonlocal checksum
+        times, memory = {}, {}
+        with simple_rl.phase("generate", times, memory):
+            seeds = simple_rl.rollout_seeds(0, i, len(prompts))
+            completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), 1.0, seeds,
+                                                    ignore_eos=True)
+        rollouts = simple_rl.Rollouts(prompts, completions, logprobs, rewards, advantages)
+        with simple_rl.phase("train", times, memory):
+            engine.sleep()
+            _, trainer_logprobs = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, config)
+            parity, _, first_mismatch = simple_rl.parity_report(logprobs, trainer_logprobs, completions, 0)
+            assert first_mismatch is None, first_mismatch
+            _, deltas = optimizer.step(simple_rl.lr_at(i, config), config.max_grad_norm)
+        with simple_rl.phase("push", times, memory):
+            changed = any(magnitude for magnitude, _ in deltas.values())
+            checksum = simple_rl.sync_weights(engine, model, checksum, changed)
+        return times, memory | {"mismatched_tokens": parity["mismatched_tokens"],
+                                "sampled_tokens": sum(len(c) for c in completions)}
+
+    return step
+
+
+def standard_step_runner(ckpt: Path, args):
+    """A standard non-exact GRPO step on the same data: vLLM defaults, HF transformers' Qwen3."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process, for the in-process push
+    import vllm
+    from transformers import Qwen3ForCausalLM
+
+    llm = vllm.LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="bfloat16", seed=0, enable_prefix_caching=False,
+                   enable_sleep_mode=True, gpu_memory_utilization=args.vllm_gpu_memory,
+                   max_model_len=512 + args.max_new_tokens, max_num_seqs=256)
+    model = Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    params = [p for p in model.parameters()]
+    masters = [p.detach().float().clone() for p in params]
+    optimizer = torch.optim.AdamW(masters, lr=1e-6, weight_decay=0.0)
+    prompts, rewards = bench_prompts(args)
+    advantages = simple_rl.group_advantages(rewards, args.samples, True)
+
+    def train(completions, vllm_logprobs):
+        n_tokens = sum(len(c) for c in completions)
+        lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+        start = 0
+        while start < len(prompts):  # padded micro-batches of at most --max-tokens-per-microbatch tokens
+            end = start + 1
+            while end < len(prompts) and (end + 1 - start) * max(lengths[start:end + 1]) <= args.max_tokens_per_microbatch:
+                end += 1
+            L = max(lengths[start:end])
+            ids = torch.zeros(end - start, L, dtype=torch.long)
+            mask = torch.zeros(end - start, L, dtype=torch.long)
+            rows, targets = [], []
+            for b, i in enumerate(range(start, end)):
+                seq = prompts[i] + completions[i]
+                ids[b, :len(seq)], mask[b, :len(seq)] = torch.tensor(seq), 1
+                rows += [(b, t) for t in range(len(prompts[i]) - 1, len(seq) - 1)]
+                targets += completions[i]
+            hidden = model.model(input_ids=ids.cuda(), attention_mask=mask.cuda()).last_hidden_state
+            b_idx, t_idx = torch.tensor(rows).cuda().unbind(1)
+            logits = model.lm_head(hidden[b_idx, t_idx])  # (C, V): only the completion tokens' rows
+            logprobs = logits.float().log_softmax(-1).gather(-1, torch.tensor(targets).cuda()[:, None]).squeeze(-1)
+            old = torch.cat(vllm_logprobs[start:end]).cuda()
+            adv = advantages[start:end].cuda().repeat_interleave(torch.tensor([len(c) for c in completions[start:end]]).cuda())
+            loss, _, _ = simple_rl.ppo_clip_loss(logprobs, old, adv, 0.2)
+            (loss.sum() / n_tokens).backward()
+            for master, p in zip(masters, params):  # fp32 gradient sums, as the exact side keeps them
+                master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
+                p.grad = None
+            start = end
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for master, p in zip(masters, params):
+                p.copy_(master)
+
+    def step(i: int) -> tuple[dict, dict]:
+        times, memory = {}, {}
+        with simple_rl.phase("generate", times, memory):
+            seeds = simple_rl.rollout_seeds(0, i, len(prompts))
+            sampling = [vllm.SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens, seed=s, logprobs=0,
+                                            detokenize=False, ignore_eos=True) for s in seeds]
+            outputs = llm.generate([vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+            completions = [list(o.outputs[0].token_ids) for o in outputs]
+            logprobs = [torch.tensor([lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                        for o in outputs]
+        with simple_rl.phase("train", times, memory):
+            llm.sleep(level=2)
+            train(completions, logprobs)
+        with simple_rl.phase("push", times, memory):
+            torch.cuda.empty_cache()
+            llm.wake_up(tags=["weights"])
+            weights = dict(model.state_dict())
+            llm.apply_model(lambda served: served.load_weights(iter(weights.items())))
+            llm.wake_up(tags=["kv_cache"])
+        return times, memory | {"sampled_tokens": sum(len(c) for c in completions)}
+
+    return step
+
+
+def run_side(side: str, ckpt: Path, args) -> dict:
+    peak = PeakGPUMemory()
+    start = time.perf_counter()
+    step = (exact_step_runner if side == "exact" else standard_step_runner)(ckpt, args)
+    startup = time.perf_counter() - start
+    results = [step(i) for i in range(1 + args.iters)][1:]  # the first step warms up
+    phases = list(results[0][0])
+    out = {name: statistics.median(times[name] for times, _ in results) for name in phases}
+    out["step"] = statistics.median(sum(times.values()) for times, _ in results)
+    out["startup"] = startup
+    out["peak_gib"] = peak.stop()
+    out["phase_end_gib"] = {name: max(m[name] for _, m in results) for name in phases}
+    out["mismatched_tokens"] = [m.get("mismatched_tokens") for _, m in results]
+    out["sampled_tokens"] = results[0][1]["sampled_tokens"]
+    out["device"] = torch.cuda.get_device_name()
+    return out
+
+
+def step_benchmark(args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_checkpoint(Path(tmp) / "model", shape_config(args.shape, args.layers), seed=0, device="cuda")
+        torch.cuda.empty_cache()
+        results = {}
+        for side in ("standard", "exact"):
+            env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
+            if side == "exact":
+                env["VLLM_BATCH_INVARIANT"] = "1"
+            out = Path(tmp) / f"{side}.json"
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--side", side, "--ckpt", str(ckpt), "--json", str(out)]
+            subprocess.run(cmd, env=env, check=True)
+            results[side] = json.loads(out.read_text())
+    exact, standard = results["exact"], results["standard"]
+    print(f"\nOne GRPO step, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), "
+          f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens, "
+          f"{exact['device']}; median of {args.iters} steps")
+    print(f"  {'':<10}" + "".join(f"{name:>11}" for name in ("generate", "train", "push", "step", "peak GPU")))
+    for name, r in results.items():
+        print(f"  {name:<10}" + "".join(f"{r[p]:>10.2f}s" for p in ("generate", "train", "push", "step"))
+              + f"{r['peak_gib']:>7.1f} GiB")
+    print(f"  exact / standard: step {exact['step'] / standard['step']:.3f}x, generate "
+          f"{exact['generate'] / standard['generate']:.2f}x, train {exact['train'] / standard['train']:.2f}x, "
+          f"peak memory {exact['peak_gib'] / standard['peak_gib']:.2f}x")
+    print(f"  exact side: mismatched tokens per step {exact['mismatched_tokens']} of {exact['sampled_tokens']}")
+    results["step_ratio"] = exact["step"] / standard["step"]
+    return results
+
+
+# --- the trainer-only comparison ---------------------------------------------------------------
 
 
 def measure(step, iters: int, warmup: int = 2) -> tuple[float, float]:
@@ -37,26 +267,19 @@ def measure(step, iters: int, warmup: int = 2) -> tuple[float, float]:
     return (time.perf_counter() - start) / iters, (torch.cuda.max_memory_allocated() - resident) / 2**30
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--seqs", type=int, default=8)
-    parser.add_argument("--seqlen", type=int, default=1024)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--json", help="also write the results to this file")
-    parser.add_argument("--profile", action="store_true", help="also print the trainer step's top CUDA kernels")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.py needs a CUDA GPU")
+def trainer_benchmark(args) -> dict:
+    """The trainer's forward + backward (vLLM's kernels) against HF transformers' Qwen3 (SDPA, bf16),
+    both computing the fp32 logprob of every next token and back-propagating their sum."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(**{**QWEN3_1P7B, "num_hidden_layers": args.layers}, attn_implementation="sdpa")
+    config_dict = shape_config(args.shape, args.layers)
+    config = Qwen3Config(**config_dict, attn_implementation="sdpa")
     reference = Qwen3ForCausalLM(config).to("cuda", torch.bfloat16)
-    model_args = simple_rl.model_args_from_hf_config(config.to_dict() | {"model_type": "qwen3"})
+    model_args = simple_rl.model_args_from_hf_config(config_dict)
     with torch.device("cuda"):
         trainer = simple_rl.Qwen3(model_args)
     trainer.load_state_dict(simple_rl.from_hf_state_dict(reference.state_dict(), model_args))
-
     tokens = torch.randint(0, config.vocab_size, (args.seqs, args.seqlen), device="cuda")
     seqs = tokens.tolist()
     batch = simple_rl.pack_sequences([s[:1] for s in seqs], [s[1:] for s in seqs], "cuda")
@@ -79,9 +302,8 @@ def main():
         results[name] = {"tokens_per_s": n_tokens / seconds, "peak_gib": peak}
     results["speed_ratio"] = results["trainer"]["tokens_per_s"] / results["reference"]["tokens_per_s"]
     results["memory_ratio"] = results["trainer"]["peak_gib"] / results["reference"]["peak_gib"]
-
-    print(f"Qwen3-1.7B shape ({args.layers} layers), {args.seqs} x {args.seqlen} tokens, forward + backward, "
-          f"{torch.cuda.get_device_name()}")  # fmt: skip
+    print(f"Qwen3-{args.shape} shape ({model_args.n_layers} layers), {args.seqs} x {args.seqlen} tokens, "
+          f"forward + backward, {torch.cuda.get_device_name()}")
     for name in ("reference", "trainer"):
         r = results[name]
         print(f"  {name:<10} {r['tokens_per_s']:>10,.0f} tokens/s   peak {r['peak_gib']:6.1f} GiB above weights")
@@ -91,9 +313,56 @@ def main():
             trainer_step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    return results
+
+
+def write_model(directory: Path, shape: str, gsm8k: Path) -> None:
+    """A random Qwen3 of a real shape with a tokenizer trained on GSM8K: `simple_rl.py --model` offline.
+    Token ids past the tokenizer's 1,024 decode to nothing, so the random model's rewards are 0."""
+    rows = [json.loads(line) for line in gsm8k.read_text().splitlines()[:2000]]
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = write_tokenizer(directory, [r["question"] + "\n" + r["answer"] for r in rows])
+    write_checkpoint(directory, shape_config(shape, eos_token_id=tok.eos_token_id), seed=0, device="cuda")
+    print(f"wrote {directory}: random Qwen3-{shape} shape, tokenizer of {len(tok)} tokens")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=list(SHAPES), default="1.7b")
+    parser.add_argument("--layers", type=int, help="fewer layers than the shape has (quick checks)")
+    parser.add_argument("--iters", type=int, default=3, help="timed steps after one warm-up")
+    parser.add_argument("--json", help="also write the results to this file")
+    step = parser.add_argument_group("step benchmark (defaults: simple_rl.py's)")
+    defaults = simple_rl.Args()
+    step.add_argument("--prompts", type=int, default=defaults.prompts_per_step)
+    step.add_argument("--samples", type=int, default=defaults.samples_per_prompt)
+    step.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    step.add_argument("--vllm-gpu-memory", type=float, default=defaults.vllm_gpu_memory)
+    step.add_argument("--max-tokens-per-microbatch", type=int, default=defaults.max_tokens_per_microbatch)
+    step.add_argument("--activation-checkpointing", action="store_true")
+    step.add_argument("--side", choices=["exact", "standard"], help=argparse.SUPPRESS)
+    step.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
+    trainer = parser.add_argument_group("trainer-only benchmark")
+    trainer.add_argument("--trainer-only", action="store_true")
+    trainer.add_argument("--seqs", type=int, default=8)
+    trainer.add_argument("--seqlen", type=int, default=1024)
+    trainer.add_argument("--profile", action="store_true", help="also print the trainer step's top CUDA kernels")
+    parser.add_argument("--write-model", type=Path, metavar="DIR")
+    parser.add_argument("--gsm8k", type=Path, help="GSM8K train jsonl for --write-model's tokenizer")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py needs a CUDA GPU")
+    random.seed(0)
+    if args.write_model:
+        return write_model(args.write_model, args.shape, args.gsm8k)
+    if args.side:
+        results = run_side(args.side, args.ckpt, args)
+    elif args.trainer_only:
+        results = trainer_benchmark(args)
+    else:
+        results = step_benchmark(args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        Path(args.json).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -187,6 +187,7 @@ def main():
                  "--steps", "300", "--prompts-per-step", "64", "--samples-per-prompt", "8",
                  "--max-new-tokens", "16", "--max-prompt-tokens", "64", "--lr", "1e-4", "--warmup-steps", "10",
                  "--eval-every", "25", "--eval-samples", "500", "--vllm-gpu-memory", "0.2",
+                 "--max-tokens-per-microbatch", "16384",
                  "--parity-report-tokens", "0", *args.extra]  # fmt: skip
         for name in ("on",) if args.only_on else ("on", "off"):
             env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}

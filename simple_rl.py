@@ -1106,12 +1106,11 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
         with phase("generate", times, memory):
             rows = step_rows(inputs.train_rows, order, step, args.prompts_per_step)
             rollouts = rollout(engine, inputs.tokenizer, rows, args, step, inputs.stop_ids)
-        engine.sleep()
-        with phase("logprobs", times, memory):
+        with phase("train", times, memory):
+            engine.sleep()
             ref_lps = None
             if ref_model is not None:
                 ref_lps = reference_logprobs(ref_model, rollouts, args.max_tokens_per_microbatch)
-        with phase("train", times, memory):
             loss_metrics, trainer_logprobs = train_on_rollouts(model, optimizer, rollouts, ref_lps, args)
             parity, report, first_mismatch = parity_report(rollouts.vllm_logprobs, trainer_logprobs,
                                                            rollouts.completions, args.parity_report_tokens)

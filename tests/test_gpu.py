@@ -1,7 +1,9 @@
 """On the GPU, against the real vLLM 0.20: the trainer's logprob of every sampled token equals
-vLLM's bit for bit, whatever the batch; weight pushes are exact; gradients are right.
+vLLM's bit for bit, whatever the batch; the CUDA-graph engine gives the eager engine's bits; weights
+pushed after a sleep are exact; gradients are right.
 Run with VLLM_BATCH_INVARIANT=1 (the tests refuse to run without it). One engine per model for
-the whole session."""
+the whole session, configured as simple_rl.py configures it (CUDA graphs; sleep mode for the 1.7B
+shape: vLLM allows one sleep-mode engine per process)."""
 
 import dataclasses
 
@@ -31,9 +33,10 @@ def served(request, tmp_path_factory):
     """(engine, trainer model, config): a random checkpoint on disk, loaded by both sides."""
     config = TINY if request.param == "tiny" else QWEN3_1P7B
     ckpt = write_checkpoint(tmp_path_factory.mktemp(request.param), config, seed=0, device="cuda")
-    engine = simple_rl.VLLMEngine(ckpt, MEMORY_FRACTION[request.param], max_model_len=1024, seed=0)
+    engine = simple_rl.VLLMEngine(ckpt, MEMORY_FRACTION[request.param], max_model_len=1024, seed=0,
+                                  sleep_mode=request.param != "tiny")
     model = simple_rl.load_qwen3(ckpt, "cuda")
-    return engine, model, config, request.param
+    return engine, model, config, request.param, ckpt
 
 
 def sample(engine, vocab, n, seed):
@@ -71,14 +74,14 @@ def count_mismatches(a, b):
 
 
 def test_rotary_table_matches_vllm(served):
-    engine, model, _, _ = served
+    engine, model, *_ = served
     table = engine.rotary_table()
     assert table.dtype == model.cos_sin_cache.dtype
     assert torch.equal(table.view(torch.int16), model.cos_sin_cache.cpu().view(torch.int16))
 
 
 def test_every_sampled_token_logprob_is_bitwise_vllms(served):
-    engine, model, config, name = served
+    engine, model, config, name, _ = served
     n = 512
     prompts, completions, vllm_lps = sample(engine, config["vocab_size"], n, seed=1)
     total = sum(len(c) for c in completions)
@@ -96,20 +99,45 @@ def test_every_sampled_token_logprob_is_bitwise_vllms(served):
         assert torch.equal(alone.view(torch.int32), vllm_lps[i].view(torch.int32))
 
 
-def test_weight_push_is_exact_and_served(served):
-    engine, model, config, name = served
+def test_cuda_graph_engine_gives_the_eager_bits(served):
+    """The same 512 requests through an eager engine: the same tokens and the same logprob bits."""
+    engine, _, config, name, ckpt = served
     if name != "tiny":
-        pytest.skip("one model is enough for the push mechanics; the RL test pushes every step")
+        pytest.skip("one eager engine is enough: the parity test covers both shapes with graphs")
+    eager = simple_rl.VLLMEngine(ckpt, MEMORY_FRACTION[name], max_model_len=1024, seed=0, cuda_graphs=False,
+                                 sleep_mode=False)
+    prompts, graph_completions, graph_lps = sample(engine, config["vocab_size"], 512, seed=6)
+    _, eager_completions, eager_lps = sample(eager, config["vocab_size"], 512, seed=6)
+    assert graph_completions == eager_completions
+    assert count_mismatches(graph_lps, eager_lps) == 0
+    print(f"\n[{name}] graphs vs eager: {sum(map(len, graph_completions))} sampled tokens, identical bits")
+
+
+def test_sleep_then_push_is_exact_and_served(served):
+    """The script's cycle: vLLM sleeps (weights and KV cache discarded), the trainer's weights
+    change, `sync_weights` wakes vLLM and pushes them; vLLM then samples with exactly those weights."""
+    engine, model, config, name, _ = served
+    if name == "tiny":
+        pytest.skip("the sleep-mode engine of this process is the 1.7B-shape one")
     before = engine.weights_checksum()
     assert before == simple_rl.weights_checksum(model.parameters())
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    freed = (torch.cuda.mem_get_info()[0] - free_awake) / 2**30
+    weights = sum(p.numel() * 2 for p in model.parameters()) / 2**30
+    print(f"\n[{name}] sleep freed {freed:.1f} GiB ({MEMORY_FRACTION[name]} of the GPU requested, "
+          f"weights {weights:.1f} GiB)")
+    assert freed > weights + 1  # the weights and a KV cache
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    engine.push_weights(model)
-    after = engine.weights_checksum()
+    after = simple_rl.sync_weights(engine, model, before, changed=True)
     assert after != before and after == simple_rl.weights_checksum(model.parameters())
-    prompts, completions, vllm_lps = sample(engine, config["vocab_size"], 256, seed=3)
-    ours = trainer_logprobs(model, prompts, completions, list(range(256)), 16384)
+    table = engine.rotary_table()  # a buffer: vLLM saves and restores it around a level-2 sleep
+    assert torch.equal(table.view(torch.int16), model.cos_sin_cache.cpu().view(torch.int16))
+    prompts, completions, vllm_lps = sample(engine, config["vocab_size"], 512, seed=3)
+    ours = trainer_logprobs(model, prompts, completions, list(range(512)), 16384)
     assert count_mismatches(ours, vllm_lps) == 0
 
 
@@ -120,7 +148,7 @@ def relative_error(a, b):
 def test_gradients_match_autograd_within_bf16_tolerance(served):
     """Trainer (vLLM forward kernels, hand-written backwards, bf16) against plain-PyTorch autograd:
     its error to the fp32 reference is no worse than plain bf16 autograd's own error to it."""
-    _, model, config, name = served
+    _, model, config, name, _ = served
     args = model.args
     if name != "tiny":
         args = dataclasses.replace(args, n_layers=2)  # the 1.7B shape, 2 layers

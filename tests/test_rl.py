@@ -271,7 +271,7 @@ def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
                 "weight_delta/layer_00/magnitude", "weight_delta/embeddings/relative_change",
                 "parity/mismatched_tokens", "parity/max_abs_logprob_diff", "parity/mean_abs_logprob_diff",
                 "parity/vllm_kl", "perf/generate_tokens_per_s", "perf/train_tokens_per_s", "time/generate",
-                "time/logprobs", "time/train", "time/push", "eval/accuracy"]:  # fmt: skip
+                "time/train", "time/push", "eval/accuracy"]:  # fmt: skip
         assert tag in tags, tag
     assert len(events.Scalars("train/loss")) == 3
     assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2, 3]  # before, every 2, at the end
