@@ -17,7 +17,8 @@ mode at the same --vllm-gpu-memory:
   on fp32 master weights, the in-process push.
 Each side runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import): one warm-up step,
 then the median of --iters steps per phase. Peak GPU memory is the whole device's, as nvidia-smi
-reports it, polled every 5 ms (vLLM, the trainer and the CUDA context: the whole process).
+reports it every 20 ms (vLLM, the trainer and the CUDA context: the whole process; this one holds
+none).
 """
 
 import argparse
@@ -28,8 +29,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,27 +52,21 @@ def shape_config(shape: str, layers: int | None = None, eos_token_id: int = 1) -
     return qwen3_config(**sizes, vocab=151936, max_positions=40960, eos_token_id=eos_token_id)
 
 
-class PeakGPUMemory:
-    """The whole device's memory in use, polled by NVML every 5 ms in a thread: its maximum, GiB."""
-
-    def __init__(self):
-        import pynvml
-
-        pynvml.nvmlInit()
-        index = torch.cuda.current_device()
-        self.handle, self.nvml, self.peak, self.running = pynvml.nvmlDeviceGetHandleByIndex(index), pynvml, 0, True
-        self.thread = threading.Thread(target=self.poll, daemon=True)
-        self.thread.start()
-
-    def poll(self):
-        while self.running:
-            self.peak = max(self.peak, self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
-            time.sleep(0.005)
-
-    def stop(self) -> float:
-        self.running = False
-        self.thread.join()
-        return self.peak / 2**30
+@contextmanager
+def peak_gpu_memory(out: dict):
+    """The device's memory in use, as nvidia-smi reports it every 20 ms, while the block runs: its
+    maximum in GiB goes to out["peak_gib"]. nvidia-smi polls from its own process, so the polling
+    takes no time from the Python process being measured."""
+    with tempfile.TemporaryFile("w+") as log:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                "-lms", "20"], stdout=log)
+        try:
+            yield
+        finally:
+            smi.terminate()
+            smi.wait()
+            log.seek(0)
+            out["peak_gib"] = max(int(line) for line in log.read().split()) / 1024
 
 
 # --- the two sides of the step benchmark ------------------------------------------------------------
@@ -203,7 +198,6 @@ def standard_step_runner(ckpt: Path, args):
 
 
 def run_side(side: str, ckpt: Path, args) -> dict:
-    peak = PeakGPUMemory()
     start = time.perf_counter()
     step = (exact_step_runner if side == "exact" else standard_step_runner)(ckpt, args)
     startup = time.perf_counter() - start
@@ -212,7 +206,6 @@ def run_side(side: str, ckpt: Path, args) -> dict:
     out = {name: statistics.median(times[name] for times, _ in results) for name in phases}
     out["step"] = statistics.median(sum(times.values()) for times, _ in results)
     out["startup"] = startup
-    out["peak_gib"] = peak.stop()
     out["phase_end_gib"] = {name: max(m[name] for _, m in results) for name in phases}
     out["mismatched_tokens"] = [m.get("mismatched_tokens") for _, m in results]
     out["sampled_tokens"] = results[0][1]["sampled_tokens"]
@@ -222,8 +215,8 @@ def run_side(side: str, ckpt: Path, args) -> dict:
 
 def step_benchmark(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_checkpoint(Path(tmp) / "model", shape_config(args.shape, args.layers), seed=0, device="cuda")
-        torch.cuda.empty_cache()
+        # Made on the CPU: this process holds no GPU memory while the sides are measured.
+        ckpt = write_checkpoint(Path(tmp) / "model", shape_config(args.shape, args.layers), seed=0)
         results = {}
         for side in ("standard", "exact"):
             env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
@@ -231,8 +224,10 @@ def step_benchmark(args) -> dict:
                 env["VLLM_BATCH_INVARIANT"] = "1"
             out = Path(tmp) / f"{side}.json"
             cmd = [sys.executable, __file__, *sys.argv[1:], "--side", side, "--ckpt", str(ckpt), "--json", str(out)]
-            subprocess.run(cmd, env=env, check=True)
-            results[side] = json.loads(out.read_text())
+            peak = {}
+            with peak_gpu_memory(peak):
+                subprocess.run(cmd, env=env, check=True)
+            results[side] = json.loads(out.read_text()) | peak
     exact, standard = results["exact"], results["standard"]
     print(f"\nOne GRPO step, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), "
           f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens, "

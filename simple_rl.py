@@ -590,7 +590,7 @@ class VLLMEngine:
     trainer runs (`sleep`) and takes it again before generating (`wake_up`)."""
 
     def __init__(self, model_dir: Path, gpu_memory_utilization: float, max_model_len: int, seed: int,
-                 cuda_graphs: bool = True, sleep_mode: bool = True, max_num_seqs: int = 256):
+                 cuda_graphs: bool = True, sleep_mode: bool = True, max_num_seqs: int = 256, **vllm_args):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine must run in this process
         import vllm
 
@@ -612,6 +612,7 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs,
             attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3},
             **graphs,
+            **vllm_args,  # more vllm.LLM arguments (the tests give a second engine a fixed KV cache)
         )
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int],

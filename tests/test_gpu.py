@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import qwen3_config, write_checkpoint
+from conftest import qwen3_config, start_engine, write_checkpoint
 
 import simple_rl
 from batch_invariant_backward import REFERENCE
@@ -28,13 +28,15 @@ def require_batch_invariance():
     assert simple_rl.batch_invariant_enabled(), "run the GPU tests with VLLM_BATCH_INVARIANT=1"
 
 
-@pytest.fixture(scope="session", params=["tiny", "qwen3-1.7b-shape"])
+@pytest.fixture(scope="session", params=["qwen3-1.7b-shape", "tiny"])
 def served(request, tmp_path_factory):
     """(engine, trainer model, config): a random checkpoint on disk, loaded by both sides."""
     config = TINY if request.param == "tiny" else QWEN3_1P7B
     ckpt = write_checkpoint(tmp_path_factory.mktemp(request.param), config, seed=0, device="cuda")
-    engine = simple_rl.VLLMEngine(ckpt, MEMORY_FRACTION[request.param], max_model_len=1024, seed=0,
-                                  sleep_mode=request.param != "tiny")
+    # The 1.7B shape's engine is this process's first: it sizes its KV cache as the script's does.
+    tiny = request.param == "tiny"
+    engine = start_engine(ckpt, MEMORY_FRACTION[request.param], max_model_len=1024, seed=0, sleep_mode=not tiny,
+                          kv_cache_gib=2 if tiny else None)
     model = simple_rl.load_qwen3(ckpt, "cuda")
     return engine, model, config, request.param, ckpt
 
@@ -104,8 +106,8 @@ def test_cuda_graph_engine_gives_the_eager_bits(served):
     engine, _, config, name, ckpt = served
     if name != "tiny":
         pytest.skip("one eager engine is enough: the parity test covers both shapes with graphs")
-    eager = simple_rl.VLLMEngine(ckpt, MEMORY_FRACTION[name], max_model_len=1024, seed=0, cuda_graphs=False,
-                                 sleep_mode=False)
+    eager = start_engine(ckpt, MEMORY_FRACTION[name], max_model_len=1024, seed=0, cuda_graphs=False,
+                         sleep_mode=False, kv_cache_gib=2)
     prompts, graph_completions, graph_lps = sample(engine, config["vocab_size"], 512, seed=6)
     _, eager_completions, eager_lps = sample(eager, config["vocab_size"], 512, seed=6)
     assert graph_completions == eager_completions

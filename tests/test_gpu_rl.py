@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GSM8K_DIR, write_gsm8k_model
+from conftest import GSM8K_DIR, start_engine, write_gsm8k_model
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import simple_rl
@@ -68,7 +68,7 @@ def test_rl_run_is_bitwise_every_step_and_its_checkpoint_loads(tmp_path):
 
     # The final checkpoint: vLLM serves it and its logprobs are the trainer's, bit for bit.
     ckpt = tmp_path / "checkpoints" / "on" / f"step_{STEPS:06d}"
-    engine = simple_rl.VLLMEngine(ckpt, 0.05, max_model_len=512, seed=0, sleep_mode=False)
+    engine = start_engine(ckpt, 0.05, max_model_len=512, seed=0, sleep_mode=False, kv_cache_gib=1)
     model = simple_rl.load_qwen3(ckpt, "cuda")
     assert engine.weights_checksum() == simple_rl.weights_checksum(model.parameters())
     g = torch.Generator().manual_seed(0)
