@@ -1,5 +1,6 @@
 """Shared fixtures. Tests marked `gpu` need CUDA (and vLLM 0.20); without a GPU they are skipped."""
 
+import functools
 import json
 import os
 import sys
@@ -12,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline_demo import qwen3_config, random_hf_weights, write_checkpoint, write_jsonl, write_model  # noqa: E402, F401
 
-# The real GSM8K jsonl files: ../shared/data/gsm8k beside the checkout (CI), or GSM8K_DIR (GPU machine).
+# The real GSM8K jsonl files: ../shared/data/gsm8k beside the checkout (CI), or GSM8K_DIR; without
+# either, openai/gsm8k from the hub through `datasets`.
 GSM8K_DIR = Path(os.environ.get("GSM8K_DIR", Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"))
 
 
@@ -48,10 +50,31 @@ def start_engine(*args, kv_cache_gib: float | None = None, **kwargs):
     return simple_rl.VLLMEngine(*args, **kwargs)
 
 
+@functools.cache
+def _gsm8k(split: str) -> tuple[dict, ...]:
+    path = GSM8K_DIR / f"{split}.jsonl"
+    if path.is_file():
+        return tuple(json.loads(line) for line in path.read_text().splitlines())
+    try:
+        from datasets import load_dataset
+
+        rows = load_dataset("openai/gsm8k", "main", split=split)
+    except Exception as e:
+        pytest.skip(f"GSM8K is neither at {GSM8K_DIR} (set GSM8K_DIR) nor reachable on the hub "
+                    f"({type(e).__name__})")
+    return tuple({"question": r["question"], "answer": r["answer"]} for r in rows)
+
+
 def gsm8k_rows(split: str, n: int | None = None) -> list[dict]:
-    with open(GSM8K_DIR / f"{split}.jsonl") as f:
-        rows = [json.loads(line) for line in f]
+    """The real GSM8K split ('train' or 'test'), the first n rows if n is given."""
+    rows = list(_gsm8k(split))
     return rows[:n] if n else rows
+
+
+def gsm8k_jsonl(split: str, directory: Path) -> Path:
+    """A GSM8K jsonl file of the split: the local copy, else one written from the hub's rows."""
+    local = GSM8K_DIR / f"{split}.jsonl"
+    return local if local.is_file() else write_jsonl(directory / f"gsm8k_{split}.jsonl", gsm8k_rows(split))
 
 
 def write_gsm8k_model(directory: Path, seed: int = 0, device="cpu", **config) -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GSM8K_DIR, start_engine, write_gsm8k_model
+from conftest import gsm8k_jsonl, start_engine, write_gsm8k_model
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import simple_rl
@@ -28,8 +28,8 @@ TAGS = ["train/loss", "train/pg_loss", "train/kl_div", "train/entropy", "reward/
 
 def run(tmp_path, model_dir, name, batch_invariant: bool, extra=()):
     env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
-    flags = ["--model", str(model_dir), "--dataset", str(GSM8K_DIR / "train.jsonl"),
-             "--eval-dataset", str(GSM8K_DIR / "test.jsonl"), "--run-name", name, "--steps", str(STEPS),
+    flags = ["--model", str(model_dir), "--dataset", str(gsm8k_jsonl("train", tmp_path)),
+             "--eval-dataset", str(gsm8k_jsonl("test", tmp_path)), "--run-name", name, "--steps", str(STEPS),
              "--prompts-per-step", "8", "--samples-per-prompt", "8", "--max-new-tokens", "128",
              "--max-prompt-tokens", "256", "--lr", "1e-4", "--warmup-steps", "2", "--kl-coef", "0.01",
              "--entropy-coef", "0.001", "--eval-every", "5", "--eval-samples", "64", "--vllm-gpu-memory", "0.12",
