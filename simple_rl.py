@@ -508,15 +508,42 @@ def hf_state_dict(model: Qwen3) -> dict:
     return Qwen3StateDictAdapter(a, None).to_hf(state)
 
 
+def check_checkpoint(model_dir: Path, args: Qwen3ModelArgs) -> None:
+    """The safetensors files hold every tensor the trainer needs, at its shape, and nothing else:
+    read from their headers only, so a bad checkpoint fails before anything slow starts."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"--model {model_dir}: no *.safetensors weights in the directory")
+    shapes = {}
+    for f in files:
+        try:
+            with safe_open(f, "pt") as weights:
+                shapes |= {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+        except SafetensorError as e:
+            raise ValueError(f"--model {model_dir}: {f.name} is not a whole safetensors file ({e}); "
+                             "download or save it again") from None
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in hf_state_dict(Qwen3(args)).items()}
+    if args.enable_weight_tying:
+        shapes.pop("lm_head.weight", None)  # some tied checkpoints store the head too; it is the embedding
+    problems = [f"missing {name}" for name in sorted(expected.keys() - shapes.keys())]
+    problems += [f"unexpected {name}" for name in sorted(shapes.keys() - expected.keys())]
+    problems += [f"{name} is {list(shapes[name])}, config.json needs {list(shape)}"
+                 for name, shape in expected.items() if name in shapes and shapes[name] != shape]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(f"--model {model_dir}: the weights do not match config.json: "
+                         + "; ".join(problems[:3]) + more)
+
+
 def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bfloat16,
                activation_checkpointing: bool = False) -> Qwen3:
     """A Hugging Face Qwen3 checkpoint directory -> trainer model on `device`."""
     args = model_args_from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"--model {model_dir}: no *.safetensors weights in the directory")
     hf_state = {}
-    for f in files:
+    for f in sorted(model_dir.glob("*.safetensors")):
         hf_state.update(load_file(f, device=str(device)))
     # Built under the device so the rotary table is computed where vLLM computes it.
     with torch.device(device):
@@ -999,12 +1026,17 @@ def load_inputs(args: Args) -> Inputs:
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(args.model)
-    model_args_from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    model_args = model_args_from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    check_checkpoint(model_dir, model_args)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:
         raise ValueError(f"--model {args.model}: cannot load its tokenizer "
                          f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    # transformers makes a 1-token tokenizer from a directory without tokenizer files.
+    if not 1 < len(tokenizer) <= model_args.vocab_size:
+        raise ValueError(f"--model {args.model}: its tokenizer has {len(tokenizer)} tokens for a vocabulary "
+                         f"of {model_args.vocab_size} (tokenizer files missing, or from another model)")
     train_rows = encode_dataset(load_gsm8k(args.dataset, "train"), tokenizer, args, "train set")
     eval_rows = []
     if args.eval_every:
@@ -1142,9 +1174,9 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
     """Train; returns the run's TensorBoard directory. `engine_class` replaces vLLM in CPU tests."""
     try:
         args = validate(args)
+        inputs = load_inputs(args)
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on one GPU")
-        inputs = load_inputs(args)
         seed_everything(args.seed)
         # vLLM first: it claims --vllm-gpu-memory of a GPU that is still empty.
         engine = (engine_class or VLLMEngine)(inputs.model_dir, args.vllm_gpu_memory,
@@ -1173,7 +1205,10 @@ if __name__ == "__main__":
     import tyro
 
     try:
-        main(tyro.cli(Args, description=__doc__.split("\n\n")[0].replace("\n", " ")))
+        summary = __doc__.split("\n\n")[0].replace("\n", " ")
+        setting = ("Set VLLM_BATCH_INVARIANT=1 in the environment: vLLM reads it at import, and without it "
+                   "the logprobs cannot be bitwise equal.")
+        main(tyro.cli(Args, description=f"{summary} {setting}"))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

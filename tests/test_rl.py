@@ -3,6 +3,7 @@ bad input, and a smoke run of main() with vLLM replaced by a CPU test double."""
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -175,10 +176,49 @@ def test_bad_files_give_one_line_errors(tmp_path):
     assert "no CUDA GPU" in err or "--model" in err
 
 
-def test_missing_gpu_is_reported(tmp_path):
+def local_inputs(tmp_path, model_dir) -> list[str]:
+    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 20))
+    test = write_jsonl(tmp_path / "test.jsonl", gsm8k_rows("test", 5))
+    return ["--model", str(model_dir), "--dataset", str(train), "--eval-dataset", str(test)]
+
+
+def test_missing_gpu_is_reported_after_the_inputs_are_checked(tmp_path):
+    """Good inputs get as far as the GPU check, and a run shorter than the default warm-up is fine."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert "no CUDA GPU" in one_line_error(run_script("--no-assert-bitwise", cwd=tmp_path))
+    flags = local_inputs(tmp_path, write_gsm8k_model(tmp_path / "model"))
+    result = run_script(*flags, "--steps", "4", env_update=ON, cwd=tmp_path)
+    assert "no CUDA GPU" in one_line_error(result)
+    assert "--warmup-steps 10 is more than --steps 4: the learning rate warms up over all 4 steps" in result.stdout
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_bad_checkpoints_stop_before_the_engine(tmp_path):
+    """A truncated or incomplete safetensors file, or a checkpoint without tokenizer files: one line,
+    exit status 2, nothing written, before vLLM would start (so also on a machine without a GPU)."""
+    from safetensors.torch import load_file, save_file
+
+    good = write_gsm8k_model(tmp_path / "good")
+    flags = local_inputs(tmp_path, good)[2:]
+    cases = {}
+    truncated = cases["is not a whole safetensors file"] = tmp_path / "truncated"
+    shutil.copytree(good, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    incomplete = cases["weights do not match config.json: missing model.layers.1.mlp.up_proj.weight"] = (
+        tmp_path / "incomplete")
+    shutil.copytree(good, incomplete)
+    weights = load_file(incomplete / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, incomplete / "model.safetensors")
+    no_tokenizer = cases["its tokenizer has 1 tokens for a vocabulary of"] = tmp_path / "no_tokenizer"
+    no_tokenizer.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(good / f, no_tokenizer / f)
+    for message, model_dir in cases.items():
+        error = one_line_error(run_script("--model", str(model_dir), *flags, env_update=ON, cwd=tmp_path))
+        assert message in error and str(model_dir) in error, error
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "checkpoints").exists()
 
 
 # --- smoke run of main() ------------------------------------------------------------------------
