@@ -140,7 +140,13 @@ class Args:
     eval_samples: int = 256
     """test questions per evaluation"""
     save_every: int = 0
-    """Hugging Face checkpoint every N steps; one is always written at the end"""
+    """checkpoint every N steps (one is always written at the end): Hugging Face weights that vLLM and
+    transformers load, plus the training state that --resume continues from"""
+    keep_last: int = 3
+    """checkpoints of the run kept on disk, the newest; 0 keeps all"""
+    resume: str | None = None
+    """a checkpoint directory (<output_dir>/<run_name>/step_N) to continue the run from, bit for bit;
+    the flags that define the run must be those it was started with"""
 
 
 def batch_invariant_enabled() -> bool:
@@ -180,6 +186,8 @@ def validate(args: Args) -> Args:
         (args.eval_every >= 0, "--eval-every must be >= 0"),
         (args.eval_samples >= 1, "--eval-samples must be at least 1"),
         (args.save_every >= 0, "--save-every must be >= 0"),
+        (args.keep_last >= 0, "--keep-last must be >= 0"),
+        (args.resume is None or Path(args.resume).is_dir(), f"--resume {args.resume}: no such directory"),
         (not (args.dataset and args.eval_every and not args.eval_dataset),
          "--dataset is local: pass --eval-dataset (a local test jsonl) too, or --eval-every 0"),
         (invariant in (None, "0", "1"),
@@ -192,7 +200,7 @@ def validate(args: Args) -> Args:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
-    if args.run_name is None:
+    if args.run_name is None and args.resume is None:  # a resumed run keeps its name
         args = dataclasses.replace(args, run_name=time.strftime("grpo_%Y%m%d_%H%M%S"))
     if args.warmup_steps > args.steps:
         print(f"note: --warmup-steps {args.warmup_steps} is more than --steps {args.steps}: "
@@ -556,23 +564,32 @@ def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bf
     return model
 
 
-def save_hf_checkpoint(model: Qwen3, source_dir: Path, out_dir: Path) -> None:
-    """Write config, safetensors and tokenizer files that transformers and vLLM load as they are.
-    Written to a temporary directory first, so a crash never leaves a half-written checkpoint."""
-    out_dir = Path(out_dir)
+@contextmanager
+def atomic_directory(out_dir: Path):
+    """Yields a temporary directory beside `out_dir` that becomes `out_dir` only once the block has
+    written it whole: a crash, or a kill -9, mid-write leaves no half-written `out_dir`."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    config = json.loads((source_dir / "config.json").read_text())
-    config["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    weights = {k: v.contiguous().cpu() for k, v in hf_state_dict(model).items()}
-    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-    for f in source_dir.iterdir():
-        if f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "generation_config")):
-            shutil.copy(f, tmp / f.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp)
+        raise
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
+
+
+def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path) -> None:
+    """Config, safetensors and tokenizer files that transformers and vLLM load as they are."""
+    config = json.loads((source_dir / "config.json").read_text())
+    config["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {k: v.contiguous().cpu() for k, v in hf_state_dict(model).items()}
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    for f in source_dir.iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "generation_config")):
+            shutil.copy(f, directory / f.name)
 
 
 # =============================================================================================
@@ -990,6 +1007,81 @@ def evaluate(engine, tokenizer, rows: list[dict], max_new_tokens: int, stop_toke
 
 
 # =============================================================================================
+# Checkpoints and resume
+# =============================================================================================
+
+RESUME_DIR = "training_state"
+"""The checkpoint subdirectory holding what --resume needs beyond the Hugging Face files; vLLM and
+transformers read only the top level, so the checkpoint stays a plain one for them."""
+
+RUN_DEFINING_FLAGS = ("model", "dataset", "seed", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
+                      "max_prompt_tokens", "prompt_format", "thinking", "temperature", "kl_coef")
+"""What a resumed run must share with the run it continues: the data order, the sampling seeds and
+the batch shape follow from them. Other flags (learning rate, --steps, ...) may change."""
+
+
+def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, source_dir: Path, args: Args,
+                    step: int) -> None:
+    """<output_dir>/<run_name>/step_N after N GRPO steps: the Hugging Face checkpoint plus the training
+    state (fp32 masters, AdamW state, RNG states, the reference policy when KL is on, the flags and the
+    step, from which the data order and the sampling seeds follow). Then only the newest --keep-last
+    checkpoints are kept (and the one this run resumed from)."""
+    out_dir = Path(args.output_dir) / args.run_name / f"step_{step:06d}"
+    with atomic_directory(out_dir) as tmp:
+        write_hf_checkpoint(model, source_dir, tmp)
+        (tmp / RESUME_DIR).mkdir()
+        state = {"masters": optimizer.masters, "optimizer": optimizer.optimizer.state_dict(),
+                 "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state()
+        torch.save(state, tmp / RESUME_DIR / "state.pt")
+        if ref_model is not None:
+            reference = {k: v.contiguous().cpu() for k, v in hf_state_dict(ref_model).items()}
+            save_file(reference, tmp / RESUME_DIR / "reference.safetensors")
+        (tmp / RESUME_DIR / "run.json").write_text(json.dumps({"args": asdict(args), "step": step}, indent=2))
+    if args.keep_last:
+        for old in sorted(out_dir.parent.glob("step_[0-9]*"))[: -args.keep_last]:
+            if old.resolve() != source_dir.resolve():  # a resumed run's tokenizer files come from there
+                shutil.rmtree(old)
+
+
+def resume_point(args: Args) -> tuple[Args, int]:
+    """The args of a resumed run (its name kept) and the step it resumes after; refuses flags that
+    contradict the run it continues, naming the flag."""
+    run_file = Path(args.resume) / RESUME_DIR / "run.json"
+    if not run_file.is_file():
+        raise ValueError(f"--resume {args.resume}: not a checkpoint of this script "
+                         f"(no {RESUME_DIR}/run.json in it)")
+    run = json.loads(run_file.read_text())
+    for flag in RUN_DEFINING_FLAGS:
+        if getattr(args, flag) != run["args"][flag]:
+            name, value = flag.replace("_", "-"), getattr(args, flag)
+            raise ValueError(f"--resume {args.resume}: --{name} is {value!r}, "
+                             f"but the run was started with {run['args'][flag]!r}")
+    if run["step"] >= args.steps:
+        raise ValueError(f"--resume {args.resume}: the run is at step {run['step']} already; "
+                         "pass a larger --steps to train on")
+    return dataclasses.replace(args, run_name=args.run_name or run["args"]["run_name"]), run["step"]
+
+
+def restore_training_state(checkpoint: Path, optimizer: MasterWeights, ref_model) -> None:
+    """Put back what `save_checkpoint` saved beside the weights (which the model loaded already)."""
+    device = optimizer.masters[0].device
+    state = torch.load(checkpoint / RESUME_DIR / "state.pt", map_location=device, weights_only=True)
+    with torch.no_grad():
+        for master, saved in zip(optimizer.masters, state["masters"], strict=True):
+            master.copy_(saved)
+    optimizer.optimizer.load_state_dict(state["optimizer"])
+    random.setstate(state["python_rng"])
+    torch.set_rng_state(state["torch_rng"].cpu())
+    if "cuda_rng" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng"].cpu())
+    if ref_model is not None:
+        reference = load_file(checkpoint / RESUME_DIR / "reference.safetensors", device=str(device))
+        ref_model.load_state_dict(from_hf_state_dict(reference, ref_model.args))
+
+
+# =============================================================================================
 # main
 # =============================================================================================
 
@@ -1015,17 +1107,21 @@ def stop_token_ids(tokenizer, model_dir: Path) -> list[int]:
 class Inputs:
     """Everything read before the engine starts: a bad input fails before anything slow."""
 
-    model_dir: Path
+    model_dir: Path  # the checkpoint both sides load: --model, or the one --resume continues from
+    start_step: int  # GRPO steps already made: 0, or the resumed checkpoint's step
     tokenizer: object
     stop_ids: list[int]
     train_rows: list[dict]
     eval_rows: list[dict]
 
 
-def load_inputs(args: Args) -> Inputs:
+def load_inputs(args: Args) -> tuple[Args, Inputs]:
     from transformers import AutoTokenizer
 
-    model_dir = resolve_model_dir(args.model)
+    start_step = 0
+    if args.resume:
+        args, start_step = resume_point(args)
+    model_dir = Path(args.resume) if args.resume else resolve_model_dir(args.model)
     model_args = model_args_from_hf_config(json.loads((model_dir / "config.json").read_text()))
     check_checkpoint(model_dir, model_args)
     try:
@@ -1041,8 +1137,8 @@ def load_inputs(args: Args) -> Inputs:
     eval_rows = []
     if args.eval_every:
         eval_rows = encode_dataset(load_gsm8k(args.eval_dataset, "test"), tokenizer, args, "eval set")
-    return Inputs(model_dir, tokenizer, stop_token_ids(tokenizer, model_dir), train_rows,
-                  eval_rows[: args.eval_samples])
+    return args, Inputs(model_dir, start_step, tokenizer, stop_token_ids(tokenizer, model_dir), train_rows,
+                        eval_rows[: args.eval_samples])
 
 
 def gpu_memory_in_use_gib() -> float:
@@ -1064,13 +1160,15 @@ def phase(name: str, times: dict, memory: dict):
     times[name] = time.perf_counter() - start
 
 
-def open_tensorboard(args: Args):
+def open_tensorboard(args: Args, start_step: int):
+    """runs/<run_name>. A resumed run continues it: events a killed run logged after its checkpoint
+    are purged, so no step appears twice."""
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(str(Path("runs") / args.run_name))
+    writer = SummaryWriter(str(Path("runs") / args.run_name), purge_step=start_step or None)
     rows = [f"| {k} | {v} |" for k, v in asdict(args).items()]
     rows.append(f"| VLLM_BATCH_INVARIANT | {int(batch_invariant_enabled())} |")
-    writer.add_text("config", "| flag | value |\n|---|---|\n" + "\n".join(rows))
+    writer.add_text("config", "| flag | value |\n|---|---|\n" + "\n".join(rows), start_step)
     return writer
 
 
@@ -1132,9 +1230,14 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
     # The reference policy (for KL) is the policy GRPO starts from.
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None
     optimizer = MasterWeights(model, args.lr, args.weight_decay)
-    if args.eval_every:
-        log_eval(0)
-    for step in tqdm(range(args.steps), desc="GRPO", unit="step", file=sys.stdout):
+    if inputs.start_step:
+        restore_training_state(inputs.model_dir, optimizer, ref_model)
+    # Before training; and where a resumed run starts, if an evaluation was due there: TensorBoard
+    # drops whatever the interrupted run logged from its checkpoint's step on.
+    if args.eval_every and inputs.start_step % args.eval_every == 0:
+        log_eval(inputs.start_step)
+    steps = range(inputs.start_step, args.steps)
+    for step in tqdm(steps, desc="GRPO", unit="step", file=sys.stdout, initial=steps.start, total=args.steps):
         times, memory = {}, {}
         with phase("generate", times, memory):
             rows = step_rows(inputs.train_rows, order, step, args.prompts_per_step)
@@ -1166,15 +1269,14 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
         if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
             log_eval(step + 1)
         if (args.save_every and (step + 1) % args.save_every == 0) or last:
-            ckpt_dir = Path(args.output_dir) / args.run_name / f"step_{step + 1:06d}"
-            save_hf_checkpoint(model, inputs.model_dir, ckpt_dir)
+            writer.flush()  # TensorBoard holds every step up to the checkpoint, should the run die after it
+            save_checkpoint(model, optimizer, ref_model, inputs.model_dir, args, step + 1)
 
 
 def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
     """Train; returns the run's TensorBoard directory. `engine_class` replaces vLLM in CPU tests."""
     try:
-        args = validate(args)
-        inputs = load_inputs(args)
+        args, inputs = load_inputs(validate(args))
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on one GPU")
         seed_everything(args.seed)
@@ -1189,10 +1291,10 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
     if served_checksum != weights_checksum(model.parameters()):
         raise UsageError(f"vLLM serves other weights than the trainer loaded from {inputs.model_dir} "
                          "(is it a bf16 Qwen3 checkpoint?)")
-    writer = open_tensorboard(args)
+    writer = open_tensorboard(args, inputs.start_step)
     order = list(range(len(inputs.train_rows)))
     random.Random(args.seed).shuffle(order)
-    if args.sft_steps:
+    if args.sft_steps and not args.resume:  # a resumed run's weights are warm already
         engine.sleep()
         warm_start(model, inputs, order, args, writer)
         served_checksum = sync_weights(engine, model, served_checksum, changed=True)

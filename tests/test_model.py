@@ -54,7 +54,8 @@ def test_logits_match_transformers(name, kernels, tmp_path):
 def test_hf_round_trip_is_exact(name, tmp_path):
     src = write_checkpoint(tmp_path / "src", CONFIGS[name], seed=3)
     model = simple_rl.load_qwen3(src, "cpu")
-    simple_rl.save_hf_checkpoint(model, src, tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    simple_rl.write_hf_checkpoint(model, src, tmp_path / "out")
     before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert before.keys() == after.keys()
     for key in before:

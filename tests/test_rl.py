@@ -323,3 +323,77 @@ def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     trained = simple_rl.load_qwen3(ckpt, "cpu")
     assert torch.equal(hf.model.embed_tokens.weight, trained.tok_embeddings.weight)
     assert not torch.equal(trained.tok_embeddings.weight, simple_rl.load_qwen3(model_dir, "cpu").tok_embeddings.weight)
+
+
+# --- checkpoints and resume -----------------------------------------------------------------------
+
+
+def scalar_series(run_dir) -> dict:
+    """Every scalar TensorBoard shows for a run (after purges), except wall-clock times and memory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir)).Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+            if not tag.startswith(("time/", "perf/", "memory/"))}
+
+
+def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """A run that dies during step 3 of 4, resumed from its step-2 checkpoint, ends with the weights,
+    optimizer state and TensorBoard scalars of the run that was never interrupted."""
+    from safetensors.torch import load_file
+
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 40))
+    test = write_jsonl(tmp_path / "test.jsonl", gsm8k_rows("test", 10))
+    monkeypatch.chdir(tmp_path)
+    flags = dict(model=str(model_dir), dataset=str(train), eval_dataset=str(test), steps=4, prompts_per_step=2,
+                 samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400, max_tokens_per_microbatch=500,
+                 lr=1e-3, kl_coef=0.01, entropy_coef=0.01, sft_steps=1, sft_batch_size=2, eval_every=2,
+                 eval_samples=3, save_every=2, keep_last=1, assert_bitwise=False)
+    simple_rl.main(simple_rl.Args(**flags, run_name="whole"), device="cpu", engine_class=TrainerAsSampler)
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "whole").iterdir()) == ["step_000004"]
+
+    class Killed(Exception):
+        pass
+
+    class DiesInStep3(TrainerAsSampler):
+        """Generation calls: eval, steps 0 and 1, eval, step 2, then step 3's rollout, which dies."""
+
+        def generate(self, *args, **kwargs):
+            if self.calls.count("generate") == 5:
+                raise Killed
+            return super().generate(*args, **kwargs)
+
+    with pytest.raises(Killed):
+        simple_rl.main(simple_rl.Args(**flags, run_name="killed"), device="cpu", engine_class=DiesInStep3)
+    checkpoint = tmp_path / "checkpoints" / "killed" / "step_000002"
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_000002"]
+
+    with pytest.raises(simple_rl.UsageError, match="--seed is 1, but the run was started with 0"):
+        simple_rl.main(simple_rl.Args(**flags | {"seed": 1}, resume=str(checkpoint)), device="cpu",
+                       engine_class=TrainerAsSampler)
+    # No --run-name: a resumed run keeps its own.
+    simple_rl.main(simple_rl.Args(**flags, resume=str(checkpoint)), device="cpu", engine_class=TrainerAsSampler)
+
+    whole, resumed = tmp_path / "checkpoints" / "whole" / "step_000004", checkpoint.parent / "step_000004"
+    for f in ("model.safetensors", "training_state/reference.safetensors"):
+        a, b = load_file(whole / f), load_file(resumed / f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+    state_a, state_b = (torch.load(d / "training_state" / "state.pt", weights_only=True) for d in (whole, resumed))
+    assert all(torch.equal(x, y) for x, y in zip(state_a["masters"], state_b["masters"], strict=True))
+    assert all(torch.equal(x["exp_avg_sq"], y["exp_avg_sq"])
+               for x, y in zip(state_a["optimizer"]["state"].values(), state_b["optimizer"]["state"].values()))
+    series = scalar_series(tmp_path / "runs" / "whole")
+    assert [step for step, _ in series["train/loss"]] == [0, 1, 2, 3]
+    assert scalar_series(tmp_path / "runs" / "killed") == series  # step 2, logged twice, is shown once
+
+
+def test_a_failed_save_leaves_the_previous_checkpoints_whole(tmp_path, monkeypatch):
+    out_dir = tmp_path / "run" / "step_000002"
+    with simple_rl.atomic_directory(tmp_path / "run" / "step_000001") as tmp:
+        (tmp / "weights").write_text("step 1")
+    with pytest.raises(OSError), simple_rl.atomic_directory(out_dir) as tmp:
+        (tmp / "weights").write_text("half of step 2")
+        raise OSError("disk full")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["step_000001"]
+    assert (tmp_path / "run" / "step_000001" / "weights").read_text() == "step 1"
