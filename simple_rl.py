@@ -236,11 +236,16 @@ ANSWER_AFTER_HASHES = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
 ANSWER_IN_BOX = re.compile(r"\\boxed\{\s*\$?\s*(-?[\d,]*\.?\d+)\s*\}")
 ANY_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 """GSM8K's reference format is '#### 72'. A completion's answer is the first '#### N', else the
-first '\\boxed{N}', else its last number (the usual fallback). Numbers are then compared as
-decimals, so '1,000', '1000.0' and '$1000' are all 1000."""
+first '\\boxed{N}', else its last number (the usual fallback); after a closed <think> block, the
+answer given after it, else the one inside it. Numbers are then compared as decimals, so '1,000',
+'1000.0' and '$1000' are all 1000."""
 
 
 def extract_answer(text: str) -> str | None:
+    thoughts, closed, answer = text.rpartition("</think>")
+    if closed and (after := extract_answer(answer)) is not None:
+        return after
+    text = thoughts or text
     for pattern in (ANSWER_AFTER_HASHES, ANSWER_IN_BOX):
         match = pattern.search(text)
         if match:
@@ -1176,11 +1181,12 @@ def warm_start(model: Qwen3, inputs: Inputs, order: list[int], args: Args, write
     """--sft-steps of teacher forcing on reference answers (with their own optimizer state)."""
     from tqdm import tqdm
 
-    # Answers follow the prompt as the model should write them, then end of sequence.
+    # Answers follow the prompt as the model should write them, then the tokenizer's end of sequence
+    # (Qwen3's chat format ends a turn with <|im_end|>).
     prefix = " " if args.prompt_format == "plain" or inputs.tokenizer.chat_template is None else ""
     for r in inputs.train_rows:
         answer = inputs.tokenizer.encode(prefix + r["answer"], add_special_tokens=False)
-        r["answer_ids"] = answer + inputs.stop_ids[:1]
+        r["answer_ids"] = answer + [inputs.tokenizer.eos_token_id or inputs.stop_ids[0]]
     optimizer = MasterWeights(model, args.sft_lr, args.weight_decay)
     for step in tqdm(range(args.sft_steps), desc="warm start", unit="step", file=sys.stdout):
         rows = step_rows(inputs.train_rows, order, step, args.sft_batch_size)

@@ -80,3 +80,37 @@ def gsm8k_jsonl(split: str, directory: Path) -> Path:
 def write_gsm8k_model(directory: Path, seed: int = 0, device="cpu", **config) -> Path:
     """A random Qwen3 with a tokenizer trained on GSM8K: a complete, offline simple_rl.py --model."""
     return write_model(directory, [r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train", 2000)], seed, device, **config)
+
+
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+"""Qwen3's chat format, written for the tests: <|im_start|>role ... <|im_end|> turns, and with
+enable_thinking=False an empty think block opening the assistant's turn, as Qwen3's template does."""
+
+
+def write_chat_model(directory: Path, **config) -> Path:
+    """A random Qwen3 whose tokenizer (trained on GSM8K) has Qwen3's chat tokens and template: it ends
+    a turn with <|im_end|>, its eos token, while config.json names <|endoftext|>, as Qwen3's do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train", 2000)], trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf_tok.add_tokens(["<think>", "</think>"])  # plain added tokens: they stay in decoded text, as in Qwen3
+    hf_tok.chat_template = QWEN3_CHAT_TEMPLATE
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_tok.save_pretrained(directory)
+    vocab = -(-len(hf_tok) // 64) * 64
+    return write_checkpoint(directory, qwen3_config(vocab=vocab, eos_token_id=hf_tok.convert_tokens_to_ids(
+        "<|endoftext|>"), **config))

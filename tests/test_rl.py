@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gsm8k_rows, write_gsm8k_model, write_jsonl
+from conftest import gsm8k_rows, write_chat_model, write_gsm8k_model, write_jsonl
 
 import simple_rl
 
@@ -25,6 +25,36 @@ def test_every_gsm8k_reference_answer_scores_as_correct():
     assert len(rows) == 8792
     wrong = [r["answer"][-40:] for r in rows if simple_rl.gsm8k_reward(r["answer"], r["answer"]) != 1.0]
     assert wrong == []
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("<think>\n48 / 2 = 24, 48 + 24 = 72\n</think>\n\nShe sold 72 clips.", 1.0),  # after the block
+    ("<think>\nfirst try: #### 70\n</think>\nchecking again: #### 72", 1.0),  # after wins over inside
+    ("<think>\nso the answer is #### 72\n</think>\n", 1.0),  # nothing after: the block's answer
+    ("<think>\n#### 72\n</think>\nno, it is 71", 0.0),
+    ("<think>\n72\n</think>\n\\boxed{71}", 0.0),
+    ("<think>\nthinking about 72 but never closing", 1.0),  # an unclosed block is plain text
+])  # fmt: skip
+def test_reward_reads_answers_inside_and_after_a_think_block(completion, reward):
+    assert simple_rl.gsm8k_reward(completion, "#### 72") == reward
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_prompts_are_what_qwen3s_template_renders(tmp_path, thinking):
+    from transformers import AutoTokenizer
+
+    model_dir = write_chat_model(tmp_path / "chat")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    question = gsm8k_rows("test", 1)[0]["question"]
+    rendered = (f"<|im_start|>user\n{question}\n{simple_rl.INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+                + ("" if thinking else "<think>\n\n</think>\n\n"))
+    ids = simple_rl.encode_prompt(tokenizer, question, use_chat=True, thinking=thinking)
+    assert ids == tokenizer.encode(rendered, add_special_tokens=False)
+    tokens = tokenizer.convert_ids_to_tokens(ids)  # the markers are single tokens, not spelled out
+    assert tokens.count("<|im_start|>") == 2 and tokens.count("<|im_end|>") == 1
+    assert tokens.count("<think>") == tokens.count("</think>") == (0 if thinking else 1)
+    stop_ids = simple_rl.stop_token_ids(tokenizer, model_dir)  # <|im_end|> (tokenizer) and <|endoftext|>
+    assert set(tokenizer.convert_ids_to_tokens(stop_ids)) == {"<|im_end|>", "<|endoftext|>"}
 
 
 @pytest.mark.parametrize("completion, reward", [
@@ -251,6 +281,7 @@ class TrainerAsSampler:
     def generate(self, prompts, max_tokens, temperature, seeds, stop_token_ids=(), ignore_eos=False):
         assert not self.asleep, "generate() while asleep"
         self.calls.append("generate")
+        self.stop_token_ids = list(stop_token_ids)
         completions, logprobs = [], []
         for prompt, n, seed in zip(prompts, max_tokens, seeds):
             g = torch.Generator().manual_seed(seed)
@@ -397,3 +428,33 @@ def test_a_failed_save_leaves_the_previous_checkpoints_whole(tmp_path, monkeypat
         raise OSError("disk full")
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["step_000001"]
     assert (tmp_path / "run" / "step_000001" / "weights").read_text() == "step 1"
+
+
+def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeypatch):
+    """--prompt-format chat end to end with Qwen3's template: the engine is told to stop at <|im_end|>,
+    and the warm start teaches answers that end with it."""
+    from torch.utils.tensorboard import SummaryWriter
+    from transformers import AutoTokenizer
+
+    model_dir = write_chat_model(tmp_path / "chat")
+    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 20))
+    monkeypatch.chdir(tmp_path)
+    args = simple_rl.validate(simple_rl.Args(
+        model=str(model_dir), dataset=str(train), prompt_format="chat", thinking=True, steps=1, prompts_per_step=2,
+        samples_per_prompt=2, max_new_tokens=4, max_prompt_tokens=400, max_tokens_per_microbatch=800,
+        sft_steps=1, sft_batch_size=2, eval_every=0, assert_bitwise=False))
+    engines = []
+
+    def engine_class(*a, **kw):
+        engines.append(TrainerAsSampler(*a, **kw))
+        return engines[-1]
+
+    simple_rl.main(args, device="cpu", engine_class=engine_class)
+    im_end = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|im_end|>")
+    assert im_end in engines[0].stop_token_ids
+
+    _, inputs = simple_rl.load_inputs(args)
+    order = list(range(len(inputs.train_rows)))
+    model = simple_rl.load_qwen3(model_dir, "cpu")
+    simple_rl.warm_start(model, inputs, order, args, SummaryWriter(str(tmp_path / "sft")))
+    assert all(r["answer_ids"][-1] == im_end for r in inputs.train_rows)
