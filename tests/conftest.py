@@ -94,7 +94,7 @@ QWEN3_CHAT_TEMPLATE = (
 enable_thinking=False an empty think block opening the assistant's turn, as Qwen3's template does."""
 
 
-def write_chat_model(directory: Path, **config) -> Path:
+def write_chat_model(directory: Path, device="cpu", **config) -> Path:
     """A random Qwen3 whose tokenizer (trained on GSM8K) has Qwen3's chat tokens and template: it ends
     a turn with <|im_end|>, its eos token, while config.json names <|endoftext|>, as Qwen3's do."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -112,5 +112,5 @@ def write_chat_model(directory: Path, **config) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     hf_tok.save_pretrained(directory)
     vocab = -(-len(hf_tok) // 64) * 64
-    return write_checkpoint(directory, qwen3_config(vocab=vocab, eos_token_id=hf_tok.convert_tokens_to_ids(
-        "<|endoftext|>"), **config))
+    config = qwen3_config(vocab=vocab, eos_token_id=hf_tok.convert_tokens_to_ids("<|endoftext|>"), **config)
+    return write_checkpoint(directory, config, device=device)

@@ -4,13 +4,15 @@ off, the run completes and reports the mismatch. The final checkpoint loads in v
 trainer's logprobs) and in transformers (the trainer's logits, fp32)."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import gsm8k_jsonl, start_engine, write_gsm8k_model
+from conftest import gsm8k_jsonl, start_engine, write_chat_model, write_gsm8k_model
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import simple_rl
@@ -26,7 +28,7 @@ TAGS = ["train/loss", "train/pg_loss", "train/kl_div", "train/entropy", "reward/
         "time/generate", "time/train", "time/push", "memory/generate_gib", "memory/train_gib", "eval/accuracy"]  # fmt: skip
 
 
-def run(tmp_path, model_dir, name, batch_invariant: bool, extra=()):
+def script_command(tmp_path, model_dir, name, batch_invariant: bool, extra=()) -> tuple[list[str], dict]:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
     flags = ["--model", str(model_dir), "--dataset", str(gsm8k_jsonl("train", tmp_path)),
              "--eval-dataset", str(gsm8k_jsonl("test", tmp_path)), "--run-name", name, "--steps", str(STEPS),
@@ -38,8 +40,12 @@ def run(tmp_path, model_dir, name, batch_invariant: bool, extra=()):
         env["VLLM_BATCH_INVARIANT"] = "1"
     else:
         flags.append("--no-assert-bitwise")
-    result = subprocess.run([sys.executable, str(REPO / "simple_rl.py"), *flags], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=900)  # fmt: skip
+    return [sys.executable, str(REPO / "simple_rl.py"), *flags], env
+
+
+def run(tmp_path, model_dir, name, batch_invariant: bool, extra=()):
+    command, env = script_command(tmp_path, model_dir, name, batch_invariant, extra)
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return EventAccumulator(str(tmp_path / "runs" / name)).Reload()
 
@@ -99,3 +105,44 @@ def test_rl_run_is_bitwise_every_step_and_its_checkpoint_loads(tmp_path):
     assert all(m == 0 for m in values(again, "parity/mismatched_tokens"))
     for tag in ("reward/reward_mean", "train/loss", "train/grad_norm"):
         assert values(again, tag) == values(on, tag), tag
+
+
+def test_a_run_killed_mid_step_resumes_bit_for_bit(tmp_path):
+    """kill -9 during step 5 of 6, after the step-4 checkpoint; --resume from it ends with the weights
+    and TensorBoard scalars of the run that was never stopped, and 0 mismatched tokens throughout."""
+    from safetensors.torch import load_file
+
+    model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", hidden=256, layers=4, heads=4, kv_heads=2,
+                                  head_dim=128, intermediate=768)
+    extra = ["--steps", "6", "--save-every", "2", "--keep-last", "0", "--eval-every", "2"]
+    whole = run(tmp_path, model_dir, "whole", batch_invariant=True, extra=extra)
+
+    command, env = script_command(tmp_path, model_dir, "killed", batch_invariant=True, extra=extra)
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = tmp_path / "checkpoints" / "killed" / "step_000004"
+    deadline = time.time() + 600
+    while not checkpoint.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)  # now in step 5's rollout
+    process.wait()
+    assert checkpoint.exists() and not (checkpoint.parent / "step_000006").exists()
+    resumed = run(tmp_path, model_dir, "killed", batch_invariant=True, extra=[*extra, "--resume", str(checkpoint)])
+
+    a = load_file(tmp_path / "checkpoints" / "whole" / "step_000006" / "model.safetensors")
+    b = load_file(checkpoint.parent / "step_000006" / "model.safetensors")
+    assert all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+    tags = [t for t in whole.Tags()["scalars"] if not t.startswith(("time/", "perf/", "memory/"))]
+    for tag in tags:
+        assert [(e.step, e.value) for e in resumed.Scalars(tag)] == [(e.step, e.value) for e in whole.Scalars(tag)], tag
+    assert values(resumed, "parity/mismatched_tokens") == [0.0] * 6
+
+
+def test_chat_format_run_is_bitwise(tmp_path):
+    """--prompt-format chat --thinking with Qwen3's chat template (stop at <|im_end|>, a warm start on
+    answers that end with it): bitwise every step."""
+    model_dir = write_chat_model(tmp_path / "chat", device="cuda", hidden=256, layers=2, heads=4, kv_heads=2,
+                                 head_dim=128, intermediate=512)
+    events = run(tmp_path, model_dir, "chat", batch_invariant=True,
+                 extra=["--prompt-format", "chat", "--thinking", "--steps", "3", "--sft-steps", "20",
+                        "--sft-lr", "1e-3", "--eval-every", "0"])
+    assert values(events, "parity/mismatched_tokens") == [0.0] * 3

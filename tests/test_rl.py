@@ -4,8 +4,10 @@ bad input, and a smoke run of main() with vLLM replaced by a CPU test double."""
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -417,6 +419,28 @@ def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch):
     series = scalar_series(tmp_path / "runs" / "whole")
     assert [step for step, _ in series["train/loss"]] == [0, 1, 2, 3]
     assert scalar_series(tmp_path / "runs" / "killed") == series  # step 2, logged twice, is shown once
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoints_whole(tmp_path):
+    """kill -9 while a checkpoint is being written: no half-written step_N, the previous one intact."""
+    run = tmp_path / "run"
+    writer = (f"import time, simple_rl, pathlib\n"
+              f"run = pathlib.Path({str(run)!r})\n"
+              f"with simple_rl.atomic_directory(run / 'step_000001') as tmp:\n"
+              f"    (tmp / 'weights').write_text('step 1')\n"
+              f"with simple_rl.atomic_directory(run / 'step_000002') as tmp:\n"
+              f"    with open(tmp / 'weights', 'w') as f:\n"
+              f"        while True:\n"
+              f"            f.write('x' * 4096); f.flush(); time.sleep(0.01)\n")
+    process = subprocess.Popen([sys.executable, "-c", writer], cwd=REPO)
+    deadline = time.time() + 120
+    while not list(run.glob(".step_000002.*/weights")) and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert [p.name for p in run.glob("step_[0-9]*")] == ["step_000001"]  # what pruning and --resume see
+    assert (run / "step_000001" / "weights").read_text() == "step 1"
+    assert list(run.glob(".step_000002.*/weights"))  # the write really was cut off midway
 
 
 def test_a_failed_save_leaves_the_previous_checkpoints_whole(tmp_path, monkeypatch):
