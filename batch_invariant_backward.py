@@ -335,7 +335,7 @@ class LMHeadLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         g_lp = grad_logprobs if grad_logprobs is not None else hidden.new_zeros(n, dtype=entropy.dtype)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=acc)  # summed over chunks in fp32
+        grad_weight = torch.zeros_like(weight, dtype=acc)  # chunks' dW, each rounded once, summed in fp32
         for i in range(0, n, ctx.rows):
             rows = slice(i, i + ctx.rows)
             lp = torch.log_softmax(_linear_forward(hidden[rows], weight).to(acc), dim=-1)  # recomputed

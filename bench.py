@@ -57,16 +57,27 @@ def peak_gpu_memory(out: dict):
     """The device's memory in use, as nvidia-smi reports it every 20 ms, while the block runs: its
     maximum in GiB goes to out["peak_gib"]. nvidia-smi polls from its own process, so the polling
     takes no time from the Python process being measured."""
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # the GPU the sides run on
     with tempfile.TemporaryFile("w+") as log:
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                "-lms", "20"], stdout=log)
+        smi = subprocess.Popen(
+            [
+                "nvidia-smi",
+                "-i",
+                gpu,
+                "--query-gpu=memory.used",
+                "--format=csv,noheader,nounits",
+                "-lms",
+                "20",
+            ],
+            stdout=log,
+        )
         try:
             yield
         finally:
             smi.terminate()
             smi.wait()
             log.seek(0)
-            out["peak_gib"] = max(int(line) for line in log.read().split()) / 1024
+            out["peak_gib"] = max(int(x) for x in log.read().split() if x.isdigit()) / 1024
 
 
 # --- the two sides of the step benchmark ------------------------------------------------------------
@@ -84,12 +95,21 @@ def bench_prompts(args) -> tuple[list[list[int]], torch.Tensor]:
 
 def exact_step_runner(ckpt: Path, args):
     """simple_rl.py's own GRPO step: returns a function that runs one and returns its phase times."""
-    config = simple_rl.Args(prompts_per_step=args.prompts, samples_per_prompt=args.samples,
-                            max_new_tokens=args.max_new_tokens, vllm_gpu_memory=args.vllm_gpu_memory,
-                            max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-                            activation_checkpointing=args.activation_checkpointing)
-    engine = simple_rl.VLLMEngine(ckpt, config.vllm_gpu_memory, config.max_prompt_tokens + config.max_new_tokens,
-                                  seed=0, cuda_graphs=config.vllm_cuda_graphs)
+    config = simple_rl.Args(
+        prompts_per_step=args.prompts,
+        samples_per_prompt=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        vllm_gpu_memory=args.vllm_gpu_memory,
+        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+    engine = simple_rl.VLLMEngine(
+        ckpt,
+        config.vllm_gpu_memory,
+        config.max_prompt_tokens + config.max_new_tokens,
+        seed=0,
+        cuda_graphs=config.vllm_cuda_graphs,
+    )
     model = simple_rl.load_qwen3(ckpt, "cuda", activation_checkpointing=config.activation_checkpointing)
     optimizer = simple_rl.MasterWeights(model, config.lr, config.weight_decay)
     prompts, rewards = bench_prompts(args)
@@ -101,8 +121,9 @@ def exact_step_runner(ckpt: Path, args):
         times, memory = {}, {}
         with simple_rl.phase("generate", times, memory):
             seeds = simple_rl.rollout_seeds(0, i, len(prompts))
-            completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), 1.0, seeds,
-                                                    ignore_eos=True)
+            completions, logprobs = engine.generate(
+                prompts, [args.max_new_tokens] * len(prompts), 1.0, seeds, ignore_eos=True
+            )
         rollouts = simple_rl.Rollouts(prompts, completions, logprobs, rewards, advantages)
         with simple_rl.phase("train", times, memory):
             engine.sleep()
@@ -113,8 +134,10 @@ def exact_step_runner(ckpt: Path, args):
         with simple_rl.phase("push", times, memory):
             changed = any(magnitude for magnitude, _ in deltas.values())
             checksum = simple_rl.sync_weights(engine, model, checksum, changed)
-        return times, memory | {"mismatched_tokens": parity["mismatched_tokens"],
-                                "sampled_tokens": sum(len(c) for c in completions)}
+        return times, memory | {
+            "mismatched_tokens": parity["mismatched_tokens"],
+            "sampled_tokens": sum(len(c) for c in completions),
+        }
 
     return step
 
@@ -125,10 +148,19 @@ def standard_step_runner(ckpt: Path, args):
     import vllm
     from transformers import Qwen3ForCausalLM
 
-    llm = vllm.LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="bfloat16", seed=0, enable_prefix_caching=False,
-                   enable_sleep_mode=True, gpu_memory_utilization=args.vllm_gpu_memory,
-                   max_model_len=512 + args.max_new_tokens, max_num_seqs=256)
+    llm = vllm.LLM(
+        model=str(ckpt),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        seed=0,
+        enable_prefix_caching=False,
+        enable_sleep_mode=True,
+        gpu_memory_utilization=args.vllm_gpu_memory,
+        max_model_len=512 + args.max_new_tokens,
+        max_num_seqs=256,
+    )
     model = Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    model.train()  # Qwen3 has no dropout; transformers checkpoints activations only in train mode
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
     params = [p for p in model.parameters()]
@@ -143,7 +175,10 @@ def standard_step_runner(ckpt: Path, args):
         start = 0
         while start < len(prompts):  # padded micro-batches of at most --max-tokens-per-microbatch tokens
             end = start + 1
-            while end < len(prompts) and (end + 1 - start) * max(lengths[start:end + 1]) <= args.max_tokens_per_microbatch:
+            while (
+                end < len(prompts)
+                and (end + 1 - start) * max(lengths[start : end + 1]) <= args.max_tokens_per_microbatch
+            ):
                 end += 1
             L = max(lengths[start:end])
             ids = torch.zeros(end - start, L, dtype=torch.long)
@@ -151,15 +186,21 @@ def standard_step_runner(ckpt: Path, args):
             rows, targets = [], []
             for b, i in enumerate(range(start, end)):
                 seq = prompts[i] + completions[i]
-                ids[b, :len(seq)], mask[b, :len(seq)] = torch.tensor(seq), 1
+                ids[b, : len(seq)], mask[b, : len(seq)] = torch.tensor(seq), 1
                 rows += [(b, t) for t in range(len(prompts[i]) - 1, len(seq) - 1)]
                 targets += completions[i]
             hidden = model.model(input_ids=ids.cuda(), attention_mask=mask.cuda()).last_hidden_state
             b_idx, t_idx = torch.tensor(rows).cuda().unbind(1)
             logits = model.lm_head(hidden[b_idx, t_idx])  # (C, V): only the completion tokens' rows
-            logprobs = logits.float().log_softmax(-1).gather(-1, torch.tensor(targets).cuda()[:, None]).squeeze(-1)
+            logprobs = (
+                logits.float().log_softmax(-1).gather(-1, torch.tensor(targets).cuda()[:, None]).squeeze(-1)
+            )
             old = torch.cat(vllm_logprobs[start:end]).cuda()
-            adv = advantages[start:end].cuda().repeat_interleave(torch.tensor([len(c) for c in completions[start:end]]).cuda())
+            adv = (
+                advantages[start:end]
+                .cuda()
+                .repeat_interleave(torch.tensor([len(c) for c in completions[start:end]]).cuda())
+            )
             loss, _, _ = simple_rl.ppo_clip_loss(logprobs, old, adv, 0.2)
             (loss.sum() / n_tokens).backward()
             for master, p in zip(masters, params):  # fp32 gradient sums, as the exact side keeps them
@@ -177,12 +218,25 @@ def standard_step_runner(ckpt: Path, args):
         times, memory = {}, {}
         with simple_rl.phase("generate", times, memory):
             seeds = simple_rl.rollout_seeds(0, i, len(prompts))
-            sampling = [vllm.SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens, seed=s, logprobs=0,
-                                            detokenize=False, ignore_eos=True) for s in seeds]
-            outputs = llm.generate([vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+            sampling = [
+                vllm.SamplingParams(
+                    temperature=1.0,
+                    max_tokens=args.max_new_tokens,
+                    seed=s,
+                    logprobs=0,
+                    detokenize=False,
+                    ignore_eos=True,
+                )
+                for s in seeds
+            ]
+            outputs = llm.generate(
+                [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False
+            )
             completions = [list(o.outputs[0].token_ids) for o in outputs]
-            logprobs = [torch.tensor([lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-                        for o in outputs]
+            logprobs = [
+                torch.tensor([lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outputs
+            ]
         with simple_rl.phase("train", times, memory):
             llm.sleep(level=2)
             train(completions, logprobs)
@@ -223,23 +277,44 @@ def step_benchmark(args) -> dict:
             if side == "exact":
                 env["VLLM_BATCH_INVARIANT"] = "1"
             out = Path(tmp) / f"{side}.json"
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--side", side, "--ckpt", str(ckpt), "--json", str(out)]
+            cmd = [
+                sys.executable,
+                __file__,
+                *sys.argv[1:],
+                "--side",
+                side,
+                "--ckpt",
+                str(ckpt),
+                "--json",
+                str(out),
+            ]
             peak = {}
             with peak_gpu_memory(peak):
                 subprocess.run(cmd, env=env, check=True)
             results[side] = json.loads(out.read_text()) | peak
     exact, standard = results["exact"], results["standard"]
-    print(f"\nOne GRPO step, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), "
-          f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens, "
-          f"{exact['device']}; median of {args.iters} steps")
-    print(f"  {'':<10}" + "".join(f"{name:>11}" for name in ("generate", "train", "push", "step", "peak GPU")))
+    print(
+        f"\nOne GRPO step, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), "
+        f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens, "
+        f"{exact['device']}; median of {args.iters} steps"
+    )
+    print(
+        f"  {'':<10}" + "".join(f"{name:>11}" for name in ("generate", "train", "push", "step", "peak GPU"))
+    )
     for name, r in results.items():
-        print(f"  {name:<10}" + "".join(f"{r[p]:>10.2f}s" for p in ("generate", "train", "push", "step"))
-              + f"{r['peak_gib']:>7.1f} GiB")
-    print(f"  exact / standard: step {exact['step'] / standard['step']:.3f}x, generate "
-          f"{exact['generate'] / standard['generate']:.2f}x, train {exact['train'] / standard['train']:.2f}x, "
-          f"peak memory {exact['peak_gib'] / standard['peak_gib']:.2f}x")
-    print(f"  exact side: mismatched tokens per step {exact['mismatched_tokens']} of {exact['sampled_tokens']}")
+        print(
+            f"  {name:<10}"
+            + "".join(f"{r[p]:>10.2f}s" for p in ("generate", "train", "push", "step"))
+            + f"{r['peak_gib']:>7.1f} GiB"
+        )
+    print(
+        f"  exact / standard: step {exact['step'] / standard['step']:.3f}x, generate "
+        f"{exact['generate'] / standard['generate']:.2f}x, train {exact['train'] / standard['train']:.2f}x, "
+        f"peak memory {exact['peak_gib'] / standard['peak_gib']:.2f}x"
+    )
+    print(
+        f"  exact side: mismatched tokens per step {exact['mismatched_tokens']} of {exact['sampled_tokens']}"
+    )
     results["step_ratio"] = exact["step"] / standard["step"]
     return results
 
@@ -297,12 +372,18 @@ def trainer_benchmark(args) -> dict:
         results[name] = {"tokens_per_s": n_tokens / seconds, "peak_gib": peak}
     results["speed_ratio"] = results["trainer"]["tokens_per_s"] / results["reference"]["tokens_per_s"]
     results["memory_ratio"] = results["trainer"]["peak_gib"] / results["reference"]["peak_gib"]
-    print(f"Qwen3-{args.shape} shape ({model_args.n_layers} layers), {args.seqs} x {args.seqlen} tokens, "
-          f"forward + backward, {torch.cuda.get_device_name()}")
+    print(
+        f"Qwen3-{args.shape} shape ({model_args.n_layers} layers), {args.seqs} x {args.seqlen} tokens, "
+        f"forward + backward, {torch.cuda.get_device_name()}"
+    )
     for name in ("reference", "trainer"):
         r = results[name]
-        print(f"  {name:<10} {r['tokens_per_s']:>10,.0f} tokens/s   peak {r['peak_gib']:6.1f} GiB above weights")
-    print(f"  trainer / reference: speed {results['speed_ratio']:.2f}x, peak memory {results['memory_ratio']:.2f}x")
+        print(
+            f"  {name:<10} {r['tokens_per_s']:>10,.0f} tokens/s   peak {r['peak_gib']:6.1f} GiB above weights"
+        )
+    print(
+        f"  trainer / reference: speed {results['speed_ratio']:.2f}x, peak memory {results['memory_ratio']:.2f}x"
+    )
     if args.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             trainer_step()
@@ -322,7 +403,9 @@ def write_model(directory: Path, shape: str, gsm8k: Path) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", choices=list(SHAPES), default="1.7b")
     parser.add_argument("--layers", type=int, help="fewer layers than the shape has (quick checks)")
     parser.add_argument("--iters", type=int, default=3, help="timed steps after one warm-up")
@@ -341,7 +424,9 @@ def main():
     trainer.add_argument("--trainer-only", action="store_true")
     trainer.add_argument("--seqs", type=int, default=8)
     trainer.add_argument("--seqlen", type=int, default=1024)
-    trainer.add_argument("--profile", action="store_true", help="also print the trainer step's top CUDA kernels")
+    trainer.add_argument(
+        "--profile", action="store_true", help="also print the trainer step's top CUDA kernels"
+    )
     parser.add_argument("--write-model", type=Path, metavar="DIR")
     parser.add_argument("--gsm8k", type=Path, help="GSM8K train jsonl for --write-model's tokenizer")
     args = parser.parse_args()

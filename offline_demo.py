@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +191,8 @@ def main():
                  "--max-tokens-per-microbatch", "16384",
                  "--parity-report-tokens", "0", *args.extra]  # fmt: skip
         for name in ("on",) if args.only_on else ("on", "off"):
+            for previous in (runs[name], Path("checkpoints") / runs[name].name):  # the demo's own runs: redone
+                shutil.rmtree(previous, ignore_errors=True)
             env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
             extra = ["--run-name", runs[name].name]
             if name == "on":

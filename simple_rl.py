@@ -156,7 +156,8 @@ def batch_invariant_enabled() -> bool:
 
 def validate(args: Args) -> Args:
     """Bad flag values and combinations fail here, before anything is loaded or written. Returns the
-    args with what derives from them filled in: the run name, and a warm-up no longer than the run."""
+    args with what derives from them filled in: the run name (a timestamp; a resumed run keeps its
+    own), and a warm-up no longer than the run."""
     sequence = args.max_prompt_tokens + args.max_new_tokens
     invariant = os.environ.get("VLLM_BATCH_INVARIANT")
     checks = [
@@ -200,6 +201,11 @@ def validate(args: Args) -> Args:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    if args.run_name and not args.resume:
+        for used in (Path("runs") / args.run_name, Path(args.output_dir) / args.run_name):
+            if used.exists():
+                raise ValueError(f"--run-name {args.run_name}: {used} exists already; pick another name, "
+                                 "or --resume one of its checkpoints")
     if args.run_name is None and args.resume is None:  # a resumed run keeps its name
         args = dataclasses.replace(args, run_name=time.strftime("grpo_%Y%m%d_%H%M%S"))
     if args.warmup_steps > args.steps:
@@ -215,8 +221,9 @@ def validate(args: Args) -> Args:
 
 
 def seed_everything(seed: int) -> None:
-    # Sampling is seeded per request (see `rollout_seeds`) and the trainer has no dropout, so
-    # this fixes the only other randomness: Python's data order and torch's default generators.
+    # Sampling is seeded per request (see `rollout_seeds`), the data order has its own seeded
+    # generator and the trainer has no dropout: nothing in the loop draws from the global generators.
+    # Seeded anyway (and saved in checkpoints), for whatever a researcher adds that does.
     random.seed(seed)
     torch.manual_seed(seed)
 
@@ -585,6 +592,11 @@ def atomic_directory(out_dir: Path):
     tmp.rename(out_dir)
 
 
+TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template",
+                   "generation_config")
+"""Files of a checkpoint that belong to its tokenizer (and generation defaults): copied as they are."""
+
+
 def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path) -> None:
     """Config, safetensors and tokenizer files that transformers and vLLM load as they are."""
     config = json.loads((source_dir / "config.json").read_text())
@@ -593,7 +605,7 @@ def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path) -> None
     weights = {k: v.contiguous().cpu() for k, v in hf_state_dict(model).items()}
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
     for f in source_dir.iterdir():
-        if f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "generation_config")):
+        if f.name.startswith(TOKENIZER_FILES):
             shutil.copy(f, directory / f.name)
 
 
@@ -1044,6 +1056,8 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, source_di
             reference = {k: v.contiguous().cpu() for k, v in hf_state_dict(ref_model).items()}
             save_file(reference, tmp / RESUME_DIR / "reference.safetensors")
         (tmp / RESUME_DIR / "run.json").write_text(json.dumps({"args": asdict(args), "step": step}, indent=2))
+    for stale in out_dir.parent.glob(".step_*"):  # what a run killed mid-save left
+        shutil.rmtree(stale)
     if args.keep_last:
         for old in sorted(out_dir.parent.glob("step_[0-9]*"))[: -args.keep_last]:
             if old.resolve() != source_dir.resolve():  # a resumed run's tokenizer files come from there
@@ -1069,20 +1083,24 @@ def resume_point(args: Args) -> tuple[Args, int]:
     return dataclasses.replace(args, run_name=args.run_name or run["args"]["run_name"]), run["step"]
 
 
-def restore_training_state(checkpoint: Path, optimizer: MasterWeights, ref_model) -> None:
+def restore_training_state(checkpoint: Path, optimizer: MasterWeights, ref_model, args: Args) -> None:
     """Put back what `save_checkpoint` saved beside the weights (which the model loaded already)."""
-    device = optimizer.masters[0].device
-    state = torch.load(checkpoint / RESUME_DIR / "state.pt", map_location=device, weights_only=True)
+    # Loaded to the host: AdamW moves its moments to the masters' device, and keeps its step counts on
+    # the host, as in a run that never stopped.
+    state = torch.load(checkpoint / RESUME_DIR / "state.pt", map_location="cpu", weights_only=True)
     with torch.no_grad():
         for master, saved in zip(optimizer.masters, state["masters"], strict=True):
             master.copy_(saved)
     optimizer.optimizer.load_state_dict(state["optimizer"])
+    for group in optimizer.optimizer.param_groups:
+        group["weight_decay"] = args.weight_decay  # may change on resume; the lr is set every step
     random.setstate(state["python_rng"])
     torch.set_rng_state(state["torch_rng"].cpu())
     if "cuda_rng" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng"].cpu())
     if ref_model is not None:
-        reference = load_file(checkpoint / RESUME_DIR / "reference.safetensors", device=str(device))
+        device = str(optimizer.masters[0].device)
+        reference = load_file(checkpoint / RESUME_DIR / "reference.safetensors", device=device)
         ref_model.load_state_dict(from_hf_state_dict(reference, ref_model.args))
 
 
@@ -1121,6 +1139,8 @@ class Inputs:
 
 
 def load_inputs(args: Args) -> tuple[Args, Inputs]:
+    """The checkpoint checked, the tokenizer and the data loaded; with --resume, the args of the run it
+    continues. Returns the args and the inputs."""
     from transformers import AutoTokenizer
 
     start_step = 0
@@ -1132,11 +1152,11 @@ def load_inputs(args: Args) -> tuple[Args, Inputs]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:
-        raise ValueError(f"--model {args.model}: cannot load its tokenizer "
+        raise ValueError(f"--model {model_dir}: cannot load its tokenizer "
                          f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
     # transformers makes a 1-token tokenizer from a directory without tokenizer files.
     if not 1 < len(tokenizer) <= model_args.vocab_size:
-        raise ValueError(f"--model {args.model}: its tokenizer has {len(tokenizer)} tokens for a vocabulary "
+        raise ValueError(f"--model {model_dir}: its tokenizer has {len(tokenizer)} tokens for a vocabulary "
                          f"of {model_args.vocab_size} (tokenizer files missing, or from another model)")
     train_rows = encode_dataset(load_gsm8k(args.dataset, "train"), tokenizer, args, "train set")
     eval_rows = []
@@ -1177,8 +1197,11 @@ def open_tensorboard(args: Args, start_step: int):
     return writer
 
 
-def warm_start(model: Qwen3, inputs: Inputs, order: list[int], args: Args, writer) -> None:
-    """--sft-steps of teacher forcing on reference answers (with their own optimizer state)."""
+def warm_start(model: Qwen3, inputs: Inputs, order: list[int], args: Args) -> None:
+    """--sft-steps of teacher forcing on reference answers (with their own optimizer state). Logged
+    as TensorBoard run <run_name>/warm_start: its steps are not GRPO's, and a resumed run, which
+    skips the warm start, must not purge them."""
+    from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
     # Answers follow the prompt as the model should write them, then the tokenizer's end of sequence
@@ -1188,10 +1211,12 @@ def warm_start(model: Qwen3, inputs: Inputs, order: list[int], args: Args, write
         answer = inputs.tokenizer.encode(prefix + r["answer"], add_special_tokens=False)
         r["answer_ids"] = answer + [inputs.tokenizer.eos_token_id or inputs.stop_ids[0]]
     optimizer = MasterWeights(model, args.sft_lr, args.weight_decay)
+    writer = SummaryWriter(str(Path("runs") / args.run_name / "warm_start"))
     for step in tqdm(range(args.sft_steps), desc="warm start", unit="step", file=sys.stdout):
         rows = step_rows(inputs.train_rows, order, step, args.sft_batch_size)
         loss = sft_step(model, optimizer, rows, args)
         writer.add_scalar("sft/loss", loss, step)
+    writer.close()
 
 
 def log_step(writer, step: int, scalars: dict, line: str) -> None:
@@ -1237,7 +1262,7 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None
     optimizer = MasterWeights(model, args.lr, args.weight_decay)
     if inputs.start_step:
-        restore_training_state(inputs.model_dir, optimizer, ref_model)
+        restore_training_state(inputs.model_dir, optimizer, ref_model, args)
     # Before training; and where a resumed run starts, if an evaluation was due there: TensorBoard
     # drops whatever the interrupted run logged from its checkpoint's step on.
     if args.eval_every and inputs.start_step % args.eval_every == 0:
@@ -1302,10 +1327,12 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
     random.Random(args.seed).shuffle(order)
     if args.sft_steps and not args.resume:  # a resumed run's weights are warm already
         engine.sleep()
-        warm_start(model, inputs, order, args, writer)
+        warm_start(model, inputs, order, args)
         served_checksum = sync_weights(engine, model, served_checksum, changed=True)
-    grpo(args, engine, model, inputs, order, writer, served_checksum)
-    writer.close()
+    try:
+        grpo(args, engine, model, inputs, order, writer, served_checksum)
+    finally:
+        writer.close()  # also on a parity error: the failing step's parity scalars reach the disk
     return Path(writer.log_dir)
 
 

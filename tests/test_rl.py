@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gsm8k_rows, write_chat_model, write_gsm8k_model, write_jsonl
+from conftest import QWEN3_CHAT_TEMPLATE, gsm8k_rows, write_chat_model, write_gsm8k_model, write_jsonl
 
 import simple_rl
 
@@ -190,6 +190,12 @@ def test_bad_flags_give_one_line_errors(tmp_path):
     for flags, env, message in cases:
         assert message in one_line_error(run_script(*flags, env_update=env, cwd=tmp_path)), flags
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_name_in_use_is_refused(tmp_path):
+    (tmp_path / "runs" / "taken").mkdir(parents=True)
+    error = one_line_error(run_script("--run-name", "taken", env_update=ON, cwd=tmp_path))
+    assert "--run-name taken: runs/taken exists already" in error
 
 
 def test_bad_files_give_one_line_errors(tmp_path):
@@ -457,14 +463,14 @@ def test_a_failed_save_leaves_the_previous_checkpoints_whole(tmp_path, monkeypat
 def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeypatch):
     """--prompt-format chat end to end with Qwen3's template: the engine is told to stop at <|im_end|>,
     and the warm start teaches answers that end with it."""
-    from torch.utils.tensorboard import SummaryWriter
     from transformers import AutoTokenizer
 
     model_dir = write_chat_model(tmp_path / "chat")
     train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 20))
     monkeypatch.chdir(tmp_path)
     args = simple_rl.validate(simple_rl.Args(
-        model=str(model_dir), dataset=str(train), prompt_format="chat", thinking=True, steps=1, prompts_per_step=2,
+        model=str(model_dir), dataset=str(train), run_name="chat", prompt_format="chat", thinking=True, steps=1,
+        prompts_per_step=2,
         samples_per_prompt=2, max_new_tokens=4, max_prompt_tokens=400, max_tokens_per_microbatch=800,
         sft_steps=1, sft_batch_size=2, eval_every=0, assert_bitwise=False))
     engines = []
@@ -476,9 +482,12 @@ def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeyp
     simple_rl.main(args, device="cpu", engine_class=engine_class)
     im_end = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|im_end|>")
     assert im_end in engines[0].stop_token_ids
+    # The checkpoint keeps the chat template: a resumed run and vLLM users render the same prompts.
+    saved = AutoTokenizer.from_pretrained(tmp_path / "checkpoints" / "chat" / "step_000001")
+    assert saved.chat_template == QWEN3_CHAT_TEMPLATE and len(saved) == len(AutoTokenizer.from_pretrained(model_dir))
 
     _, inputs = simple_rl.load_inputs(args)
     order = list(range(len(inputs.train_rows)))
     model = simple_rl.load_qwen3(model_dir, "cpu")
-    simple_rl.warm_start(model, inputs, order, args, SummaryWriter(str(tmp_path / "sft")))
+    simple_rl.warm_start(model, inputs, order, args)
     assert all(r["answer_ids"][-1] == im_end for r in inputs.train_rows)
