@@ -4,6 +4,7 @@ Qwen3 that runs vLLM's own kernels; the two share one GPU in turns.
     VLLM_BATCH_INVARIANT=1 python simple_rl.py            # Qwen3-1.7B and GSM8K from the hub
     VLLM_BATCH_INVARIANT=1 python simple_rl.py --model DIR --dataset train.jsonl --eval-dataset test.jsonl
     python simple_rl.py --no-assert-bitwise                # batch invariance off: mismatch reported
+    VLLM_BATCH_INVARIANT=1 python simple_rl.py ... --resume checkpoints/RUN/step_000100   # continue a run
     tensorboard --logdir runs
 
 The guarantee, checked every step on every sampled token and asserted unless --no-assert-bitwise:
