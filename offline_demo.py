@@ -1,7 +1,8 @@
-"""Watch bitwise-exact GRPO learn, offline, in minutes on one GPU, with batch invariance on and off.
+"""Watch bitwise-exact GRPO learn, offline, in minutes on one GPU: batch invariance on, off, and off
+with sequence-level masked importance sampling.
 
-    python offline_demo.py                  # build demo/, train ON and OFF, write demo/on_vs_off.png
-    python offline_demo.py --plot-only      # redraw the figure from runs/demo_on and runs/demo_off
+    python offline_demo.py                  # build demo/, train the three runs, write demo/on_vs_off.png
+    python offline_demo.py --plot-only      # redraw the figure from runs/demo_*
 
 No pretrained weights can be fetched here, so the demo makes everything it needs: a small Qwen3
 with random weights, a byte-level BPE tokenizer trained on the spot, and an arithmetic task in
@@ -9,9 +10,10 @@ GSM8K's format ("What is 23 + 45?" -> "23 + 45 = 68\\n#### 68"), scored by simpl
 reward. simple_rl.py then runs a short supervised warm start (--sft-steps: the model learns the
 format and some sums, but samples at temperature 1 are still mostly wrong) followed by GRPO, which
 sharpens what the warm start half-learned: the sampled reward rises within tens of steps. The same
-command runs twice, with VLLM_BATCH_INVARIANT=1 (every sampled token's logprob asserted bitwise
-equal) and without it (--no-assert-bitwise: the mismatch is measured and logged), and the two
-TensorBoard runs become one PNG of reward and vLLM-vs-trainer KL over steps.
+command runs three times: with VLLM_BATCH_INVARIANT=1 (every sampled token's logprob asserted
+bitwise equal), without it (--no-assert-bitwise: the mismatch is measured and logged), and without
+it but corrected by sequence-level MIS (--correction mis). The TensorBoard runs become one PNG of
+reward and vLLM-vs-trainer KL over steps.
 """
 
 import argparse
@@ -141,15 +143,24 @@ def scalars(run_dir: Path, tag: str) -> list[float]:
     return [e.value for e in EventAccumulator(str(run_dir)).Reload().Scalars(tag)]
 
 
-def plot(on: Path, off: Path, png: Path) -> None:
-    """Reward and vLLM-vs-trainer KL over steps, batch invariance on vs off, in one PNG."""
+RUNS = {  # run name: (label, colour, what it adds to the demo's flags, VLLM_BATCH_INVARIANT)
+    "demo_on": ("batch invariance ON", "tab:blue", [], "1"),
+    "demo_off": ("batch invariance OFF", "tab:red", ["--no-assert-bitwise"], None),
+    "demo_off_mis": ("OFF + sequence-level MIS", "tab:green",
+                     ["--no-assert-bitwise", "--correction", "mis", "--correction-level", "sequence"], None),
+}
+
+
+def plot(run_dirs: dict[str, Path], png: Path) -> None:
+    """Reward and vLLM-vs-trainer KL over steps of each run (named as in RUNS), in one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (reward, kl) = plt.subplots(1, 2, figsize=(11, 4))
-    for run, label, color in ((on, "batch invariance ON", "tab:blue"), (off, "batch invariance OFF", "tab:red")):
+    for name, run in run_dirs.items():
+        label, color = RUNS[name][:2]
         reward.plot(scalars(run, "reward/reward_mean"), label=label, color=color)
         kl.plot(scalars(run, "parity/vllm_kl"), label=label, color=color)
     reward.set(title="Mean reward (sampled, T=1)", xlabel="GRPO step", ylabel="reward")
@@ -175,10 +186,10 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("demo"), help="where the model, data and figure go")
     parser.add_argument("--max-operand", type=int, default=50, help="sums of two numbers below this")
     parser.add_argument("--plot-only", action="store_true", help="only redraw the figure from existing runs")
-    parser.add_argument("--only-on", action="store_true", help="skip the batch-invariance-off run")
+    parser.add_argument("--only-on", action="store_true", help="skip the batch-invariance-off runs")
     parser.add_argument("extra", nargs="*", help="more simple_rl.py flags, after --")
     args = parser.parse_args()
-    runs = {"on": Path("runs/demo_on"), "off": Path("runs/demo_off")}
+    runs = {name: Path("runs") / name for name in RUNS}
     if not args.plot_only:
         if not (args.out / "model" / "model.safetensors").exists():
             build(args.out, args.max_operand)
@@ -190,21 +201,19 @@ def main():
                  "--eval-every", "25", "--eval-samples", "500", "--vllm-gpu-memory", "0.2",
                  "--max-tokens-per-microbatch", "16384",
                  "--parity-report-tokens", "0", *args.extra]  # fmt: skip
-        for name in ("on",) if args.only_on else ("on", "off"):
-            for previous in (runs[name], Path("checkpoints") / runs[name].name):  # the demo's own runs: redone
+        for name in ["demo_on"] if args.only_on else RUNS:
+            for previous in (runs[name], Path("checkpoints") / name):  # the demo's own runs: redone
                 shutil.rmtree(previous, ignore_errors=True)
+            *_, extra, invariant = RUNS[name]
             env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
-            extra = ["--run-name", runs[name].name]
-            if name == "on":
-                env["VLLM_BATCH_INVARIANT"] = "1"
-            else:
-                extra.append("--no-assert-bitwise")
-            subprocess.run([sys.executable, str(HERE / "simple_rl.py"), *flags, *extra], env=env, check=True)
-    for name in runs:
-        if runs[name].exists():
-            print(summary(runs[name]))
-    if runs["off"].exists():
-        plot(runs["on"], runs["off"], args.out / "on_vs_off.png")
+            env |= {"VLLM_BATCH_INVARIANT": invariant} if invariant else {}
+            command = [sys.executable, str(HERE / "simple_rl.py"), *flags, "--run-name", name, *extra]
+            subprocess.run(command, env=env, check=True)
+    existing = {name: run for name, run in runs.items() if run.exists()}
+    for run in existing.values():
+        print(summary(run))
+    if len(existing) > 1:
+        plot(existing, args.out / "on_vs_off.png")
         print(f"figure: {args.out / 'on_vs_off.png'}")
 
 

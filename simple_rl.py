@@ -111,6 +111,20 @@ class Args:
     """entropy bonus coefficient"""
     std_normalize: bool = True
     """divide group advantages by the group std"""
+    correction: Literal["none", "tis", "mis"] = "none"
+    """for runs whose sampler and trainer differ (batch invariance off): weight the policy-gradient term by
+    w = trainer / sampler probability, truncated at --correction-max ('tis') or zeroed outside
+    [--correction-min, --correction-max] ('mis'); 'none' clips the ratio to the sampler, as PPO does"""
+    correction_level: Literal["token", "sequence"] = "sequence"
+    """a weight per token, or one per sequence from its summed log-ratios (token-level corrections have
+    been seen to collapse on long-horizon tasks, sequence-level MIS not)"""
+    correction_min: float = 0.5
+    """mis: the smallest weight kept"""
+    correction_max: float = 2.0
+    """tis: where weights are truncated; mis: the largest weight kept"""
+    correction_geometric_mean: bool = False
+    """sequence level: the per-token geometric mean exp(mean log-ratio) instead of exp(sum), so that the
+    bounds mean the same for short and long completions"""
     sft_steps: int = 0
     """supervised warm start before GRPO: steps of teacher forcing on the train set's reference answers"""
     sft_lr: float = 1e-4
@@ -175,6 +189,7 @@ def validate(args: Args) -> Args:
         (args.weight_decay >= 0, "--weight-decay must be >= 0"),
         (args.max_grad_norm > 0, "--max-grad-norm must be > 0"),
         (args.clip_eps > 0, "--clip-eps must be > 0"),
+        (0 <= args.correction_min < args.correction_max, "need 0 <= --correction-min < --correction-max"),
         (args.kl_coef >= 0, "--kl-coef must be >= 0"),
         (args.entropy_coef >= 0, "--entropy-coef must be >= 0"),
         (args.max_tokens_per_microbatch >= sequence,
@@ -826,6 +841,25 @@ def ppo_clip_loss(logprobs, rollout_logprobs, advantages, clip_eps: float):
     return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
 
 
+def correction_weights(log_ratio: torch.Tensor, lengths: list[int], args: Args):
+    """Importance weights (C,) for the policy-gradient term from log(trainer / sampler) of each token
+    (C,), sequences of `lengths` tokens back to back, and where the correction cut (C,): truncated
+    (tis) or masked (mis). Equal logprobs give weights of exactly 1 and cut nothing."""
+    if args.correction == "none":
+        return torch.ones_like(log_ratio), torch.zeros_like(log_ratio, dtype=torch.bool)
+    if args.correction_level == "sequence":
+        # Summed one sequence at a time: a scatter-add would sum in a nondeterministic order on CUDA.
+        per_sequence = torch.stack([x.sum() for x in log_ratio.split(lengths)])  # (N,)
+        if args.correction_geometric_mean:
+            per_sequence = per_sequence / torch.tensor(lengths, device=log_ratio.device)
+        log_ratio = per_sequence.repeat_interleave(torch.tensor(lengths, device=log_ratio.device))
+    weight = torch.exp(log_ratio)
+    if args.correction == "tis":
+        return weight.clamp(max=args.correction_max), weight > args.correction_max
+    cut = (weight < args.correction_min) | (weight > args.correction_max)
+    return torch.where(cut, 0.0, weight), cut
+
+
 def k3_kl(logprobs, other_logprobs) -> torch.Tensor:
     """Per-token k3 estimate of KL(policy || other) from the policy's own samples:
     exp(d) - d - 1 with d = other - policy; >= 0, and 0 exactly where the logprobs are equal."""
@@ -836,6 +870,26 @@ def k3_kl(logprobs, other_logprobs) -> torch.Tensor:
 def fp32_hex(x: float) -> str:
     """The fp32 bit pattern: two logprobs one ulp apart print differently (bf16 would hide it)."""
     return f"0x{int(torch.tensor(x, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF:08x}"
+
+
+SAMPLER_PROBABILITY_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
+"""Edges of the buckets of the sampled token's probability that the mismatch is also reported by: it
+grows as the probability goes to 0."""
+
+
+def mismatch_by_probability(v: torch.Tensor, t: torch.Tensor) -> dict:
+    """Mean |trainer - sampler| logprob and k3 KL per bucket of the sampler's probability of the token,
+    and the bucket's share of the tokens; empty buckets are left out."""
+    p, metrics = v.exp(), {}
+    edges = SAMPLER_PROBABILITY_BUCKETS
+    for low, high in zip(edges, edges[1:]):
+        tokens = (p >= low) & ((p < high) if high < 1 else (p <= high))
+        if tokens.any():
+            name = f"p_{low:g}-{high:g}"
+            metrics[f"{name}/mean_abs_logprob_diff"] = float((v[tokens] - t[tokens]).abs().mean())
+            metrics[f"{name}/vllm_kl"] = float(k3_kl(v[tokens], t[tokens]).mean())
+            metrics[f"{name}/token_frac"] = float(tokens.float().mean())
+    return metrics
 
 
 def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch.Tensor],
@@ -850,7 +904,9 @@ def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torc
         "max_abs_logprob_diff": float((v - t).abs().max()),
         "mean_abs_logprob_diff": float((v - t).abs().mean()),
         "vllm_kl": float(k3_kl(v, t).mean()),  # KL(sampler || trainer), from the sampler's tokens
-    }
+        "sampler_perplexity": math.exp(-float(v.mean())),
+        "trainer_perplexity": math.exp(-float(t.mean())),
+    } | mismatch_by_probability(v, t)
     header = ("token", "vllm logprob", "trainer logprob", "vllm fp32 bits", "trainer fp32 bits", "diff")
     lines = ["  {:>8} {:>16} {:>16} {:>14} {:>17} {:>10}".format(*header)]
     for tok, a, b in list(zip(tokens[0], vllm_logprobs[0].tolist(), trainer_logprobs[0].tolist()))[:show]:
@@ -964,7 +1020,8 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     forward. Returns per-token means of the loss terms and the trainer's logprobs per sample."""
     device = model.tok_embeddings.weight.device
     n_tokens = sum(len(c) for c in rollouts.completions)
-    names = ("loss", "pg_loss", "kl_div", "entropy", "ratio_mean", "ratio_clipped_frac")
+    names = ("loss", "pg_loss", "kl_div", "entropy", "ratio_mean", "ratio_clipped_frac",
+             "correction_weight_mean", "correction_cut_frac", "correction_weight_sq")
     sums, logprobs_all = [], []  # per micro-batch, kept on the GPU
     token_budget = args.max_tokens_per_microbatch
     for idx, batch in packed_micro_batches(rollouts.prompts, rollouts.completions, token_budget, device):
@@ -972,7 +1029,12 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
         lens = torch.tensor(batch.completion_lens, device=device)
         advantages = rollouts.advantages[idx].to(device).repeat_interleave(lens)  # a sample's on each token
         rollout_lp = torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)
-        pg_loss, ratio, clipped = ppo_clip_loss(logprobs, rollout_lp, advantages, args.clip_eps)
+        # With a correction, PPO's ratio is to the trainer's own logprobs at rollout time (one update per
+        # batch: exactly 1), and the sampler/trainer mismatch goes into the weight instead.
+        old_lp = rollout_lp if args.correction == "none" else logprobs.detach()
+        pg_loss, ratio, clipped = ppo_clip_loss(logprobs, old_lp, advantages, args.clip_eps)
+        weight, cut = correction_weights(logprobs.detach() - rollout_lp, batch.completion_lens, args)
+        pg_loss = weight * pg_loss
         loss, kl = pg_loss, torch.zeros_like(pg_loss)
         if ref_logprobs is not None:
             kl = k3_kl(logprobs, torch.cat([ref_logprobs[i] for i in idx]))
@@ -983,13 +1045,16 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
         # gradient that of one big batch.
         (loss.sum() / n_tokens).backward()
         optimizer.accumulate_grads()
-        terms = (loss, pg_loss, kl, entropy, ratio, clipped.float())
+        terms = (loss, pg_loss, kl, entropy, ratio, clipped.float(), weight, cut.float(), weight**2)
         sums.append(torch.stack([t.detach().sum() for t in terms]))
         logprobs_all.append(logprobs.detach())
     # One copy to the host for the whole step (a sync per micro-batch would stall the GPU); the
     # division happens there, exactly: CUDA divides by a scalar through its reciprocal, which would
     # turn a ratio sum of exactly n_tokens into a mean one ulp below 1.
     metrics = {name: total / n_tokens for name, total in zip(names, torch.stack(sums).sum(0).tolist())}
+    # Effective sample size of the weights, as a fraction of the tokens: 1 when all are equal.
+    weight_sq = metrics.pop("correction_weight_sq")
+    metrics["correction_ess"] = metrics["correction_weight_mean"] ** 2 / weight_sq if weight_sq else 0.0
     if ref_logprobs is None:
         del metrics["kl_div"]  # not measured: no reference model
     return metrics, list(torch.cat(logprobs_all).cpu().split([len(c) for c in rollouts.completions]))

@@ -22,14 +22,15 @@ def test_demo_model_is_a_trainer_checkpoint(tmp_path):
 
 
 def test_summary_and_plot_from_two_runs(tmp_path):
-    for name, rewards, kl in (("on", [0.1] * 10 + [0.4] * 10, 0.0), ("off", [0.1] * 20, 1e-5)):
+    for name, rewards, kl in (("demo_on", [0.1] * 10 + [0.4] * 10, 0.0), ("demo_off", [0.1] * 20, 1e-5),
+                              ("demo_off_mis", [0.1] * 20, 2e-5)):
         writer = SummaryWriter(str(tmp_path / name))
         for step, r in enumerate(rewards):
             writer.add_scalar("reward/reward_mean", r, step)
             writer.add_scalar("parity/vllm_kl", kl, step)
             writer.add_scalar("parity/mismatched_tokens", 0 if kl == 0 else 7, step)
         writer.close()
-    line = offline_demo.summary(tmp_path / "on")
+    line = offline_demo.summary(tmp_path / "demo_on")
     assert "first 10 0.100 -> last 10 0.400 (4.00x, +0.300)" in line and "total 0" in line
-    offline_demo.plot(tmp_path / "on", tmp_path / "off", tmp_path / "fig.png")
+    offline_demo.plot({name: tmp_path / name for name in offline_demo.RUNS}, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"

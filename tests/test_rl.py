@@ -1,6 +1,7 @@
 """The RL script on the CPU: reward on all of GSM8K, the GRPO math against hand-computed values,
 bad input, and a smoke run of main() with vLLM replaced by a CPU test double."""
 
+import dataclasses
 import math
 import os
 import shutil
@@ -491,3 +492,89 @@ def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeyp
     model = simple_rl.load_qwen3(model_dir, "cpu")
     simple_rl.warm_start(model, inputs, order, args)
     assert all(r["answer_ids"][-1] == im_end for r in inputs.train_rows)
+
+
+# --- corrections for a sampler that differs from the trainer --------------------------------------
+
+
+def correction_args(correction, level, geometric=False):
+    return simple_rl.Args(correction=correction, correction_level=level, correction_min=0.5, correction_max=2.0,
+                          correction_geometric_mean=geometric)
+
+
+def test_correction_weights_by_hand():
+    log_ratio = torch.log(torch.tensor([1.0, 3.0, 0.25, 1.5, 0.5]))  # sequences of 2 and 3 tokens
+    lengths = [2, 3]
+
+    def weights(*config):
+        w, cut = simple_rl.correction_weights(log_ratio, lengths, correction_args(*config))
+        return [round(x, 6) for x in w.tolist()], cut.tolist()
+
+    assert weights("tis", "token") == ([1.0, 2.0, 0.25, 1.5, 0.5], [False, True, False, False, False])
+    assert weights("mis", "token") == ([1.0, 0.0, 0.0, 1.5, 0.5], [False, True, True, False, False])
+    # Sequence ratios: 1 * 3 = 3 and 0.25 * 1.5 * 0.5 = 0.1875; geometric means 3^(1/2) and 0.1875^(1/3).
+    assert weights("tis", "sequence") == ([2.0, 2.0, 0.1875, 0.1875, 0.1875], [True, True, False, False, False])
+    assert weights("mis", "sequence") == ([0.0] * 5, [True] * 5)
+    g1, g2 = round(3**0.5, 6), round(0.1875 ** (1 / 3), 6)
+    assert weights("mis", "sequence", True) == ([g1, g1, g2, g2, g2], [False] * 5)  # both inside [0.5, 2]
+    assert weights("none", "sequence") == ([1.0] * 5, [False] * 5)
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "mis"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_equal_logprobs_make_every_correction_a_no_op(correction, level):
+    """Batch invariance on: the trainer's logprobs are the sampler's, so every weight is exactly 1."""
+    log_ratio = torch.zeros(7)
+    for geometric in (False, True):
+        w, cut = simple_rl.correction_weights(log_ratio, [3, 4], correction_args(correction, level, geometric))
+        assert torch.equal(w, torch.ones(7)) and not cut.any()
+
+
+def test_corrections_weight_the_policy_gradient(tmp_path):
+    """In a real train step: with the sampler's logprobs equal to the trainer's, every correction gives
+    the loss and gradients of none, bit for bit; with the sampler e times less likely on every token,
+    tis doubles the policy-gradient term (w = e truncated at 2) and mis masks it out."""
+    from conftest import qwen3_config, write_checkpoint
+
+    model = simple_rl.load_qwen3(write_checkpoint(tmp_path / "m", qwen3_config()), "cpu", dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
+    completions = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 6, 2, 5)]
+    with torch.no_grad():  # the sampler's logprobs, from one micro-batch as the trainer packs them
+        batch = simple_rl.pack_sequences(prompts, completions, "cpu")
+        same = list(simple_rl.token_logprobs(model, batch)[0].split(batch.completion_lens))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+
+    def step(config, sampler_logprobs):
+        args = dataclasses.replace(config, max_tokens_per_microbatch=1000)
+        rollouts = simple_rl.Rollouts(prompts, completions, sampler_logprobs, rewards,
+                                      simple_rl.group_advantages(rewards, 2, True))
+        optimizer = simple_rl.MasterWeights(model, 1e-3, 0.0)
+        metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args)
+        return metrics, [m.grad for m in optimizer.masters]
+
+    baseline, grads = step(correction_args("none", "token"), same)
+    for correction, level in [("tis", "token"), ("mis", "token"), ("tis", "sequence"), ("mis", "sequence")]:
+        metrics, corrected = step(correction_args(correction, level), same)
+        assert metrics["loss"] == baseline["loss"] and all(torch.equal(a, b) for a, b in zip(grads, corrected))
+        assert metrics["correction_weight_mean"] == 1 and metrics["correction_cut_frac"] == 0
+        assert metrics["correction_ess"] == 1
+    unlikely = [lp - 1 for lp in same]  # log(trainer / sampler) = 1 on every token
+    tis, tis_grads = step(correction_args("tis", "token"), unlikely)
+    assert tis["correction_weight_mean"] == 2 and tis["correction_cut_frac"] == 1
+    assert tis["pg_loss"] == pytest.approx(2 * baseline["pg_loss"], abs=1e-12)  # the baseline's ratio is 1 too
+    mis, mis_grads = step(correction_args("mis", "token"), unlikely)
+    assert mis["pg_loss"] == 0 and mis["correction_cut_frac"] == 1
+    assert all(not g.any() for g in mis_grads if g is not None)
+
+
+def test_mismatch_is_reported_by_sampler_probability_and_perplexity():
+    v = torch.log(torch.tensor([0.0005, 0.05, 0.95, 1.0]))
+    t = v + torch.tensor([0.5, 0.0, 0.0, 0.0])
+    metrics, _, _ = simple_rl.parity_report([v], [t], [[1, 2, 3, 4]], show=0)
+    assert metrics["p_0-0.001/mean_abs_logprob_diff"] == pytest.approx(0.5)
+    assert metrics["p_0-0.001/vllm_kl"] == pytest.approx(math.exp(0.5) - 0.5 - 1)  # k3 with d = trainer - vLLM
+    assert metrics["p_0.01-0.1/mean_abs_logprob_diff"] == 0 and metrics["p_0.9-1/token_frac"] == 0.5
+    assert not any(k.startswith(("p_0.001-", "p_0.1-", "p_0.5-")) for k in metrics)  # empty buckets
+    assert metrics["sampler_perplexity"] == pytest.approx(math.exp(-float(v.mean())))
+    assert metrics["trainer_perplexity"] == pytest.approx(math.exp(-float(t.mean())))
