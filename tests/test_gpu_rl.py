@@ -66,9 +66,12 @@ def test_rl_run_is_bitwise_every_step_and_its_checkpoint_loads(tmp_path):
     print(f"\n[e2e on] {STEPS} steps x 64 samples, ~{tokens:.0f} sampled tokens: mismatched per step {mismatches}; "
           f"reward {[round(r, 3) for r in values(on, 'reward/reward_mean')]}")  # fmt: skip
 
-    off = run(tmp_path, model_dir, "off", batch_invariant=False)
+    off = run(tmp_path, model_dir, "off", batch_invariant=False, extra=["--correction", "mis"])
     off_mismatches = values(off, "parity/mismatched_tokens")
     assert len(off_mismatches) == STEPS and all(m > 0 for m in off_mismatches)
+    assert all(0 < w for w in values(off, "train/correction_ess")) and "parity/sampler_perplexity" in off.Tags()["scalars"]
+    print(f"[e2e off, sequence-level MIS] weight mean {values(off, 'train/correction_weight_mean')}, "
+          f"masked {values(off, 'train/correction_cut_frac')}")
     print(f"[e2e off] mismatched tokens per step {off_mismatches}; "
           f"vllm_kl {[f'{k:.2e}' for k in values(off, 'parity/vllm_kl')]}")  # fmt: skip
 
@@ -99,10 +102,13 @@ def test_rl_run_is_bitwise_every_step_and_its_checkpoint_loads(tmp_path):
         torch.testing.assert_close(ours, hf(torch.tensor([seq])).logits[0], rtol=1e-4, atol=1e-4)
 
     # Same seed, same run: the reward and loss curves come out bit for bit the same, also with an
-    # eager engine (CUDA graphs replay the eager kernels) and recomputed activations.
+    # eager engine (CUDA graphs replay the eager kernels), recomputed activations, and a correction
+    # whose weights are all exactly 1.
     again = run(tmp_path, model_dir, "on_again", batch_invariant=True,
-                extra=["--no-vllm-cuda-graphs", "--activation-checkpointing"])
+                extra=["--no-vllm-cuda-graphs", "--activation-checkpointing", "--correction", "mis"])
     assert all(m == 0 for m in values(again, "parity/mismatched_tokens"))
+    assert values(again, "train/correction_weight_mean") == [1.0] * STEPS
+    assert values(again, "train/correction_cut_frac") == [0.0] * STEPS
     for tag in ("reward/reward_mean", "train/loss", "train/grad_norm"):
         assert values(again, tag) == values(on, tag), tag
 
