@@ -92,10 +92,12 @@ def attention_reference(q, k, v, cu_seqlens, scale):
     return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
 
 
-def lm_head_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+def lm_head_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                               temperature: float = 1.0):
     """hidden (C, dim), lm_head weight (V, dim), targets (C,) -> logprob of each target (C,) and
-    entropy of each row (C,), from the fp32 copy of the logits (C, V)."""
-    logprobs = torch.log_softmax(linear_reference(hidden, weight).to(_acc(hidden.dtype)), dim=-1)
+    entropy of each row (C,) under softmax(z / temperature), z the fp32 copy of the logits (C, V)."""
+    logits = linear_reference(hidden, weight).to(_acc(hidden.dtype))
+    logprobs = torch.log_softmax(logits / torch.tensor(temperature, dtype=logits.dtype), dim=-1)
     entropy = -(logprobs.exp() * logprobs).sum(-1)
     return logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy
 
@@ -297,40 +299,43 @@ def _attention_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens, scale
 
 class LMHeadLogprobs(torch.autograd.Function):
     """lm_head and the sampler's logprobs, fused and chunked over rows. For each chunk of rows:
-    `linear_batch_invariant` gives the bf16 logits (vLLM's lm_head), and vLLM's batch-invariant
-    Triton `log_softmax` of their fp32 copy gives the logprobs (vLLM's raw logprobs), gathered at the
+    `linear_batch_invariant` gives the bf16 logits z (vLLM's lm_head); their fp32 copy is divided by
+    the temperature, a tensor as vLLM's sampler divides, and vLLM's batch-invariant Triton
+    `log_softmax` gives the logprobs of softmax(z / T) (vLLM's processed logprobs), gathered at the
     targets, plus each row's entropy. The persistent matmul computes a row the same way whatever the
     other rows, so chunking changes no bit; and only one chunk of (rows, V) logits ever exists, in
     the forward and the backward, never the (C, V) logits of a whole micro-batch.
-    Backward, per chunk: recompute the logits (the forward's kernel), then with p = softmax(z),
-    dz = g_lp * (onehot(t) - p) - g_H * p * (log p + H); dh = dz @ W and dW = sum of dz^T @ h.
+    Backward, per chunk: recompute the logits (the forward's kernel), then with p = softmax(z / T),
+    dz = (g_lp * (onehot(t) - p) - g_H * p * (log p + H)) / T; dh = dz @ W and dW = sum of dz^T @ h.
     The entropy term is skipped when nothing depends on the entropy."""
 
     ROWS_PER_CHUNK_TIMES_VOCAB = 2**27  # 0.5 GiB per fp32 temporary
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets):
+    def forward(ctx, hidden, weight, targets, temperature: float):
         rows = max(1, LMHeadLogprobs.ROWS_PER_CHUNK_TIMES_VOCAB // weight.shape[0])
+        # Dividing by a Python float would multiply by its reciprocal: other bits than vLLM's division.
+        temp = torch.tensor(temperature, dtype=_acc(hidden.dtype), device=hidden.device)
         logprobs, entropy = [], []
         for h, t in zip(hidden.split(rows), targets.split(rows)):
-            logits = _linear_forward(h, weight)  # (rows, V)
+            scaled = _linear_forward(h, weight).to(temp.dtype) / temp  # (rows, V)
             if h.is_cuda:
                 from vllm.model_executor.layers.batch_invariant import log_softmax
 
-                lp = log_softmax(logits.float())
+                lp = log_softmax(scaled)
             else:
-                lp = torch.log_softmax(logits.to(_acc(h.dtype)), dim=-1)
+                lp = torch.log_softmax(scaled, dim=-1)
             logprobs.append(lp.gather(-1, t[:, None]).squeeze(-1))
             entropy.append(-(lp.exp() * lp).sum(-1))
         logprobs, entropy = torch.cat(logprobs), torch.cat(entropy)
-        ctx.save_for_backward(hidden, weight, targets, entropy)
+        ctx.save_for_backward(hidden, weight, targets, entropy, temp)
         ctx.rows = rows
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, targets, entropy = ctx.saved_tensors
+        hidden, weight, targets, entropy, temp = ctx.saved_tensors
         acc = _acc(hidden.dtype)
         n = hidden.shape[0]
         g_lp = grad_logprobs if grad_logprobs is not None else hidden.new_zeros(n, dtype=entropy.dtype)
@@ -338,16 +343,17 @@ class LMHeadLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=acc)  # chunks' dW, each rounded once, summed in fp32
         for i in range(0, n, ctx.rows):
             rows = slice(i, i + ctx.rows)
-            lp = torch.log_softmax(_linear_forward(hidden[rows], weight).to(acc), dim=-1)  # recomputed
+            lp = torch.log_softmax(_linear_forward(hidden[rows], weight).to(acc) / temp, dim=-1)
             if grad_entropy is None:
                 grad = lp.exp_().mul_(-g_lp[rows, None])  # -p * g_lp
             else:
                 g_ent = grad_entropy[rows, None]
                 grad = (lp + entropy[rows, None]).mul_(g_ent).add_(g_lp[rows, None]).mul_(-lp.exp())
-            grad = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None]).to(hidden.dtype)  # (rows, V)
+            grad = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None]).div_(temp)  # dz (rows, V)
+            grad = grad.to(hidden.dtype)
             grad_hidden[rows] = grad @ weight
             grad_weight += (grad.t() @ hidden[rows]).to(acc)
-        return grad_hidden, grad_weight.to(weight.dtype), None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None
 
 
 # ---------------------------------------------------------------------------------------------

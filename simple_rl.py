@@ -26,6 +26,8 @@ How this GRPO departs from the paper (Shao et al., 2024):
 4. Advantages are group-normalised, (r - mean) / (std + 1e-4) with the unbiased std of the group;
    --no-std-normalize keeps only r - mean (as in Dr. GRPO).
 5. An optional supervised warm start (--sft-steps) on the train set's reference answers.
+6. The policy optimised is the one sampled from: softmax(logits / T) at --temperature T (the same for
+   the reference policy's KL); at T = 1, the model's own distribution.
 """
 
 import copy
@@ -91,7 +93,9 @@ class Args:
     max_prompt_tokens: int = 512
     """longer prompts are skipped (and counted at start), never cut"""
     temperature: float = 1.0
-    """sampling temperature (logprobs are vLLM's raw ones, before temperature: keep 1.0 for exact ratios)"""
+    """sampling temperature; the policy trained is the tempered one, softmax(logits / T), whose logprobs
+    vLLM returns (its processed logprobs): ratios stay exact at any T. Top-k and top-p are not offered:
+    their masking would have to be mirrored too"""
 
     lr: float = 1e-6
     """peak AdamW learning rate"""
@@ -684,6 +688,7 @@ class VLLMEngine:
             seed=seed,
             enable_prefix_caching=False,
             enable_sleep_mode=sleep_mode,
+            logprobs_mode="processed_logprobs",  # of the distribution sampled from: after temperature
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -695,7 +700,8 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int],
                  stop_token_ids=(), ignore_eos: bool = False):
         """One completion per prompt. Returns the completion token ids and vLLM's logprob of each
-        sampled token (raw: before temperature) as fp32 tensors. Temperature 0 is greedy."""
+        sampled token under the distribution it was sampled from, softmax(logits / temperature), as
+        fp32 tensors. Temperature 0 is greedy (its logprobs are then those at temperature 1)."""
         from vllm import SamplingParams, TokensPrompt
 
         params = [
@@ -817,12 +823,14 @@ def packed_micro_batches(prompts: list[list[int]], completions: list[list[int]],
         yield idx, pack_sequences([prompts[i] for i in idx], [completions[i] for i in idx], device)
 
 
-def token_logprobs(model: Qwen3, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logprob (C,) and entropy (C,) of every completion token, computed as vLLM's sampler
-    does: lm_head on the rows that predict them (bf16 logits), log_softmax of the fp32 logits,
-    one chunk of rows at a time (the full logits of a micro-batch never exist)."""
+def token_logprobs(model: Qwen3, batch: PackedBatch, temperature: float = 1.0):
+    """(logprob (C,), entropy (C,)) in fp32 of every completion token under softmax(z / temperature),
+    computed as vLLM's sampler computes its processed logprobs: lm_head on the rows that predict them
+    (bf16 logits z), the fp32 logits divided by the temperature, log_softmax; one chunk of rows at a
+    time (the full logits of a micro-batch never exist)."""
     hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
-    return model.kernels.lm_head_logprobs(hidden[batch.target_rows], model.output_weight, batch.targets)
+    rows = hidden[batch.target_rows]
+    return model.kernels.lm_head_logprobs(rows, model.output_weight, batch.targets, temperature)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool) -> torch.Tensor:
@@ -1005,12 +1013,14 @@ def rollout(engine, tokenizer, rows: list[dict], args: Args, step: int, stop_ids
 
 
 @torch.no_grad()
-def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, token_budget: int) -> list[torch.Tensor]:
-    """The frozen reference policy's logprob of every sampled token (for the k3 KL term)."""
+def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, args: Args) -> list[torch.Tensor]:
+    """The frozen reference policy's logprob of every sampled token (for the k3 KL term), at the same
+    temperature as the policy's."""
     out = []
     device = ref_model.tok_embeddings.weight.device
+    token_budget = args.max_tokens_per_microbatch
     for _, batch in packed_micro_batches(rollouts.prompts, rollouts.completions, token_budget, device):
-        out += token_logprobs(ref_model, batch)[0].split(batch.completion_lens)
+        out += token_logprobs(ref_model, batch, args.temperature)[0].split(batch.completion_lens)
     return out
 
 
@@ -1025,7 +1035,7 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     sums, logprobs_all = [], []  # per micro-batch, kept on the GPU
     token_budget = args.max_tokens_per_microbatch
     for idx, batch in packed_micro_batches(rollouts.prompts, rollouts.completions, token_budget, device):
-        logprobs, entropy = token_logprobs(model, batch)  # (C,), (C,)
+        logprobs, entropy = token_logprobs(model, batch, args.temperature)  # (C,), (C,)
         lens = torch.tensor(batch.completion_lens, device=device)
         advantages = rollouts.advantages[idx].to(device).repeat_interleave(lens)  # a sample's on each token
         rollout_lp = torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)
@@ -1343,7 +1353,7 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
             engine.sleep()
             ref_lps = None
             if ref_model is not None:
-                ref_lps = reference_logprobs(ref_model, rollouts, args.max_tokens_per_microbatch)
+                ref_lps = reference_logprobs(ref_model, rollouts, args)
             loss_metrics, trainer_logprobs = train_on_rollouts(model, optimizer, rollouts, ref_lps, args)
             parity, report, first_mismatch = parity_report(rollouts.vllm_logprobs, trainer_logprobs,
                                                            rollouts.completions, args.parity_report_tokens)

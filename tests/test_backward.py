@@ -33,7 +33,7 @@ def cases():
                       (torch.randn(T, 4, 3, **f64), torch.randn(T, 2, 3, **f64), torch.randn(T, 2, 3, **f64)),
                       (cu, max_len, 0.6)),
         "lm_head_logprobs": (bib.LMHeadLogprobs.apply, bib.lm_head_logprobs_reference,
-                             (torch.randn(T, 6, **f64), torch.randn(11, 6, **f64)), (torch.randint(0, 11, (T,)),)),
+                             (torch.randn(T, 6, **f64), torch.randn(11, 6, **f64)), (torch.randint(0, 11, (T,)), 0.7)),
     }  # fmt: skip
 
 
@@ -79,9 +79,10 @@ def test_lm_head_logprobs_backward_without_entropy_and_over_chunks(monkeypatch):
     torch.manual_seed(0)
     hidden, weight, targets = torch.randn(10, 5, **f64), torch.randn(13, 5, **f64), torch.randint(0, 13, (10,))
     monkeypatch.setattr(bib.LMHeadLogprobs, "ROWS_PER_CHUNK_TIMES_VOCAB", 3 * 13)
-    assert torch.autograd.gradcheck(lambda h, w: bib.LMHeadLogprobs.apply(h, w, targets)[0], (hidden, weight))
-    grads = torch.autograd.grad(bib.LMHeadLogprobs.apply(hidden, weight, targets)[0].sum(), (hidden, weight))
-    refs = torch.autograd.grad(bib.lm_head_logprobs_reference(hidden, weight, targets)[0].sum(), (hidden, weight))
+    assert torch.autograd.gradcheck(lambda h, w: bib.LMHeadLogprobs.apply(h, w, targets, 1.3)[0], (hidden, weight))
+    grads = torch.autograd.grad(bib.LMHeadLogprobs.apply(hidden, weight, targets, 1.3)[0].sum(), (hidden, weight))
+    refs = torch.autograd.grad(bib.lm_head_logprobs_reference(hidden, weight, targets, 1.3)[0].sum(),
+                               (hidden, weight))
     for g, r in zip(grads, refs):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda h, w: bib.LMHeadLogprobs.apply(h, w, targets), (hidden, weight))
+    assert torch.autograd.gradcheck(lambda h, w: bib.LMHeadLogprobs.apply(h, w, targets, 1.3), (hidden, weight))

@@ -41,20 +41,20 @@ def served(request, tmp_path_factory):
     return engine, model, config, request.param, ckpt
 
 
-def sample(engine, vocab, n, seed):
-    """n completions of random prompts (20-400 tokens), 64-256 new tokens each, temperature 1."""
+def sample(engine, vocab, n, seed, temperature=1.0):
+    """n completions of random prompts (20-400 tokens), 64-256 new tokens each."""
     g = torch.Generator().manual_seed(seed)
     prompt_lens = torch.randint(20, 401, (n,), generator=g).tolist()
     new_tokens = torch.randint(64, 257, (n,), generator=g).tolist()
     prompts = [torch.randint(0, vocab, (L,), generator=g).tolist() for L in prompt_lens]
     completions, logprobs = engine.generate(
-        prompts, new_tokens, temperature=1.0, seeds=[seed * 100_000 + i for i in range(n)], ignore_eos=True
+        prompts, new_tokens, temperature=temperature, seeds=[seed * 100_000 + i for i in range(n)], ignore_eos=True
     )
     return prompts, completions, logprobs
 
 
 @torch.no_grad()
-def trainer_logprobs(model, prompts, completions, order, token_budget):
+def trainer_logprobs(model, prompts, completions, order, token_budget, temperature=1.0):
     """Recompute in micro-batches packed in `order` up to `token_budget` tokens: compositions
     that have nothing to do with vLLM's scheduling."""
     out, batch = [None] * len(prompts), []
@@ -62,7 +62,7 @@ def trainer_logprobs(model, prompts, completions, order, token_budget):
         size = sum(len(prompts[j]) + len(completions[j]) for j in batch)
         if batch and (i is None or size + len(prompts[i]) + len(completions[i]) > token_budget):
             packed = simple_rl.pack_sequences([prompts[j] for j in batch], [completions[j] for j in batch], "cuda")
-            logprobs, _ = simple_rl.token_logprobs(model, packed)
+            logprobs, _ = simple_rl.token_logprobs(model, packed, temperature)
             for j, lp in zip(batch, logprobs.split(packed.completion_lens)):
                 out[j] = lp.cpu()
             batch = []
@@ -99,6 +99,19 @@ def test_every_sampled_token_logprob_is_bitwise_vllms(served):
     for i in range(0, n, 64):
         alone = trainer_logprobs(model, prompts[i:i + 1], completions[i:i + 1], [0], 1 << 30)[0]
         assert torch.equal(alone.view(torch.int32), vllm_lps[i].view(torch.int32))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_logprobs_are_bitwise_vllms_at_other_temperatures(served, temperature):
+    """vLLM samples from softmax(z / T) and returns that distribution's logprobs (processed logprobs);
+    the trainer divides its fp32 logits by T the same way: the same bits."""
+    engine, model, config, name, _ = served
+    prompts, completions, vllm_lps = sample(engine, config["vocab_size"], 512, seed=7, temperature=temperature)
+    order = torch.randperm(512, generator=torch.Generator().manual_seed(8)).tolist()
+    ours = trainer_logprobs(model, prompts, completions, order, 16384, temperature)
+    mismatched = count_mismatches(ours, vllm_lps)
+    print(f"\n[{name}] T={temperature}: {sum(map(len, completions))} sampled tokens, {mismatched} differ")
+    assert mismatched == 0
 
 
 def test_cuda_graph_engine_gives_the_eager_bits(served):

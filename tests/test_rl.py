@@ -303,7 +303,8 @@ class TrainerAsSampler:
                 completion.append(int(torch.multinomial(probs, 1, generator=g)) if temperature else int(logits.argmax()))
             completions.append(completion)
             batch = simple_rl.pack_sequences([prompt], [completion], "cpu")
-            logprobs.append(simple_rl.token_logprobs(self.model, batch)[0])
+            # vLLM's processed logprobs: of the tempered distribution (a greedy request's at T = 1).
+            logprobs.append(simple_rl.token_logprobs(self.model, batch, temperature or 1.0)[0])
         return completions, logprobs
 
     def push_weights(self, model):
@@ -578,3 +579,28 @@ def test_mismatch_is_reported_by_sampler_probability_and_perplexity():
     assert not any(k.startswith(("p_0.001-", "p_0.1-", "p_0.5-")) for k in metrics)  # empty buckets
     assert metrics["sampler_perplexity"] == pytest.approx(math.exp(-float(v.mean())))
     assert metrics["trainer_perplexity"] == pytest.approx(math.exp(-float(t.mean())))
+
+
+def test_the_trainer_optimises_the_tempered_policy(tmp_path):
+    """At --temperature T the trainer's logprobs, which the loss and the parity check use, are those
+    of softmax(z / T), z the fp32 logits: what vLLM samples from and returns as processed logprobs."""
+    from conftest import qwen3_config, write_checkpoint
+
+    model = simple_rl.load_qwen3(write_checkpoint(tmp_path / "m", qwen3_config()), "cpu", dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (6, 4)]
+    completions = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 3)]
+    batch = simple_rl.pack_sequences(prompts, completions, "cpu")
+    with torch.no_grad():
+        hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)[batch.target_rows]
+        z = torch.nn.functional.linear(hidden, model.output_weight)
+        by_hand = torch.log_softmax(z / 0.7, dim=-1).gather(-1, batch.targets[:, None]).squeeze(-1)
+        torch.testing.assert_close(simple_rl.token_logprobs(model, batch, 0.7)[0], by_hand, rtol=0, atol=1e-12)
+    rewards = torch.tensor([1.0, 0.0])
+    rollouts = simple_rl.Rollouts(prompts, completions, list(by_hand.split(batch.completion_lens)), rewards,
+                                  simple_rl.group_advantages(rewards, 2, True))
+    args = simple_rl.Args(temperature=0.7, max_tokens_per_microbatch=1000)
+    metrics, trained = simple_rl.train_on_rollouts(model, simple_rl.MasterWeights(model, 1e-3, 0.0), rollouts,
+                                                   None, args)
+    torch.testing.assert_close(torch.cat(trained), by_hand, rtol=0, atol=1e-12)
+    assert metrics["ratio_mean"] == pytest.approx(1, abs=1e-12)  # against the tempered sampler: on-policy
