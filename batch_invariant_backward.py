@@ -298,16 +298,16 @@ def _attention_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens, scale
 
 
 class LMHeadLogprobs(torch.autograd.Function):
-    """lm_head and the sampler's logprobs, fused and chunked over rows. For each chunk of rows:
-    `linear_batch_invariant` gives the bf16 logits z (vLLM's lm_head); their fp32 copy is divided by
-    the temperature, a tensor as vLLM's sampler divides, and vLLM's batch-invariant Triton
-    `log_softmax` gives the logprobs of softmax(z / T) (vLLM's processed logprobs), gathered at the
-    targets, plus each row's entropy. The persistent matmul computes a row the same way whatever the
-    other rows, so chunking changes no bit; and only one chunk of (rows, V) logits ever exists, in
-    the forward and the backward, never the (C, V) logits of a whole micro-batch.
-    Backward, per chunk: recompute the logits (the forward's kernel), then with p = softmax(z / T),
-    dz = (g_lp * (onehot(t) - p) - g_H * p * (log p + H)) / T; dh = dz @ W and dW = sum of dz^T @ h.
-    The entropy term is skipped when nothing depends on the entropy."""
+    """lm_head and the sampler's logprobs, fused. `linear_batch_invariant` gives the bf16 logits z
+    of all rows (vLLM's lm_head). Then, a chunk of rows at a time, their fp32 copy is divided by the
+    temperature, a tensor as vLLM's sampler divides, and vLLM's batch-invariant Triton `log_softmax`
+    gives the logprobs of softmax(z / T) (vLLM's processed logprobs), gathered at the targets, plus
+    each row's entropy. The kernels compute a row the same way whatever the other rows, so chunking
+    changes no bit. Only the bf16 (C, V) logits are kept for the backward: the fp32 (rows, V)
+    temporaries exist for one chunk at a time, never for the whole micro-batch.
+    Backward, per chunk: with p = softmax(z / T) from the kept logits,
+    dz = (g_lp * (onehot(t) - p) - g_H * p * (log p + H)) / T, rounded to bf16; then dh = dz @ W and
+    dW = dz^T @ h, one cuBLAS matmul each over all rows (fp32 accumulation, one rounding). The entropy term is skipped when nothing depends on the entropy."""
 
     ROWS_PER_CHUNK_TIMES_VOCAB = 2**27  # 0.5 GiB per fp32 temporary
 
@@ -316,10 +316,11 @@ class LMHeadLogprobs(torch.autograd.Function):
         rows = max(1, LMHeadLogprobs.ROWS_PER_CHUNK_TIMES_VOCAB // weight.shape[0])
         # Dividing by a Python float would multiply by its reciprocal: other bits than vLLM's division.
         temp = torch.tensor(temperature, dtype=_acc(hidden.dtype), device=hidden.device)
+        logits = _linear_forward(hidden, weight)  # (C, V)
         logprobs, entropy = [], []
-        for h, t in zip(hidden.split(rows), targets.split(rows)):
-            scaled = _linear_forward(h, weight).to(temp.dtype) / temp  # (rows, V)
-            if h.is_cuda:
+        for z, t in zip(logits.split(rows), targets.split(rows)):
+            scaled = z.to(temp.dtype) / temp  # (rows, V)
+            if z.is_cuda:
                 from vllm.model_executor.layers.batch_invariant import log_softmax
 
                 lp = log_softmax(scaled)
@@ -328,32 +329,28 @@ class LMHeadLogprobs(torch.autograd.Function):
             logprobs.append(lp.gather(-1, t[:, None]).squeeze(-1))
             entropy.append(-(lp.exp() * lp).sum(-1))
         logprobs, entropy = torch.cat(logprobs), torch.cat(entropy)
-        ctx.save_for_backward(hidden, weight, targets, entropy, temp)
+        ctx.save_for_backward(hidden, weight, targets, entropy, temp, logits)
         ctx.rows = rows
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, targets, entropy, temp = ctx.saved_tensors
+        hidden, weight, targets, entropy, temp, logits = ctx.saved_tensors
         acc = _acc(hidden.dtype)
         n = hidden.shape[0]
         g_lp = grad_logprobs if grad_logprobs is not None else hidden.new_zeros(n, dtype=entropy.dtype)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=acc)  # chunks' dW, each rounded once, summed in fp32
+        grad_logits = torch.empty_like(logits)
         for i in range(0, n, ctx.rows):
             rows = slice(i, i + ctx.rows)
-            lp = torch.log_softmax(_linear_forward(hidden[rows], weight).to(acc) / temp, dim=-1)
+            lp = torch.log_softmax(logits[rows].to(acc) / temp, dim=-1)
             if grad_entropy is None:
                 grad = lp.exp_().mul_(-g_lp[rows, None])  # -p * g_lp
             else:
                 g_ent = grad_entropy[rows, None]
                 grad = (lp + entropy[rows, None]).mul_(g_ent).add_(g_lp[rows, None]).mul_(-lp.exp())
-            grad = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None]).div_(temp)  # dz (rows, V)
-            grad = grad.to(hidden.dtype)
-            grad_hidden[rows] = grad @ weight
-            grad_weight += (grad.t() @ hidden[rows]).to(acc)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None
+            grad_logits[rows] = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None]).div_(temp)
+        return grad_logits @ weight, grad_logits.t() @ hidden, None, None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ mode at the same --vllm-gpu-memory:
 - standard: vLLM's defaults (torch.compile + CUDA graphs, batch invariance off) and Hugging Face
   transformers' Qwen3 (SDPA, padded micro-batches of as many tokens), the same PPO-clip loss, AdamW
   on fp32 master weights, the in-process push.
-Each side runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import): one warm-up step,
-then the median of --iters steps per phase. Peak GPU memory is the whole device's, as nvidia-smi
+Each side runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import), twice, in the order
+standard, exact, exact, standard; each process runs one warm-up step and --iters timed steps, and a
+side's figures are the medians over the timed steps of both its processes. Peak GPU memory is the whole device's, as nvidia-smi
 reports it every 20 ms (vLLM, the trainer and the CUDA context: the whole process; this one holds
 none).
 """
@@ -189,7 +190,8 @@ def standard_step_runner(ckpt: Path, args):
                 ids[b, : len(seq)], mask[b, : len(seq)] = torch.tensor(seq), 1
                 rows += [(b, t) for t in range(len(prompts[i]) - 1, len(seq) - 1)]
                 targets += completions[i]
-            hidden = model.model(input_ids=ids.cuda(), attention_mask=mask.cuda()).last_hidden_state
+            out = model.model(input_ids=ids.cuda(), attention_mask=mask.cuda(), use_cache=False)
+            hidden = out.last_hidden_state
             b_idx, t_idx = torch.tensor(rows).cuda().unbind(1)
             logits = model.lm_head(hidden[b_idx, t_idx])  # (C, V): only the completion tokens' rows
             logprobs = (
@@ -256,14 +258,26 @@ def run_side(side: str, ckpt: Path, args) -> dict:
     step = (exact_step_runner if side == "exact" else standard_step_runner)(ckpt, args)
     startup = time.perf_counter() - start
     results = [step(i) for i in range(1 + args.iters)][1:]  # the first step warms up
-    phases = list(results[0][0])
-    out = {name: statistics.median(times[name] for times, _ in results) for name in phases}
-    out["step"] = statistics.median(sum(times.values()) for times, _ in results)
-    out["startup"] = startup
-    out["phase_end_gib"] = {name: max(m[name] for _, m in results) for name in phases}
-    out["mismatched_tokens"] = [m.get("mismatched_tokens") for _, m in results]
-    out["sampled_tokens"] = results[0][1]["sampled_tokens"]
-    out["device"] = torch.cuda.get_device_name()
+    return {
+        "steps": [times for times, _ in results],
+        "startup": startup,
+        "phase_end_gib": {name: max(m[name] for _, m in results) for name in results[0][0]},
+        "mismatched_tokens": [m.get("mismatched_tokens") for _, m in results],
+        "sampled_tokens": results[0][1]["sampled_tokens"],
+        "device": torch.cuda.get_device_name(),
+    }
+
+
+def combine(runs: list[dict]) -> dict:
+    """One side's figures over the timed steps of all its processes: median phase and step times,
+    the highest peak memory, every step's mismatch count."""
+    steps = [times for run in runs for times in run["steps"]]
+    out = {name: statistics.median(times[name] for times in steps) for name in steps[0]}
+    out["step"] = statistics.median(sum(times.values()) for times in steps)
+    out["steps"] = [sum(times.values()) for times in steps]
+    out["peak_gib"] = max(run["peak_gib"] for run in runs)
+    out["mismatched_tokens"] = [n for run in runs for n in run["mismatched_tokens"]]
+    out |= {key: runs[0][key] for key in ("sampled_tokens", "device")}
     return out
 
 
@@ -271,32 +285,26 @@ def step_benchmark(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         # Made on the CPU: this process holds no GPU memory while the sides are measured.
         ckpt = write_checkpoint(Path(tmp) / "model", shape_config(args.shape, args.layers), seed=0)
-        results = {}
-        for side in ("standard", "exact"):
+        runs = {"standard": [], "exact": []}
+        # ABBA: a side measured second could run on a hotter, slower-clocked GPU; each side goes once
+        # first and once second, and its figures are over the steps of both its processes.
+        for run, side in enumerate(("standard", "exact", "exact", "standard")):
             env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
             if side == "exact":
                 env["VLLM_BATCH_INVARIANT"] = "1"
-            out = Path(tmp) / f"{side}.json"
-            cmd = [
-                sys.executable,
-                __file__,
-                *sys.argv[1:],
-                "--side",
-                side,
-                "--ckpt",
-                str(ckpt),
-                "--json",
-                str(out),
-            ]
+            out = Path(tmp) / f"{run}.json"
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--side", side, "--ckpt", str(ckpt)]
+            cmd += ["--json", str(out)]
             peak = {}
             with peak_gpu_memory(peak):
                 subprocess.run(cmd, env=env, check=True)
-            results[side] = json.loads(out.read_text()) | peak
+            runs[side].append(json.loads(out.read_text()) | peak)
+        results = {side: combine(measured) for side, measured in runs.items()}
     exact, standard = results["exact"], results["standard"]
     print(
         f"\nOne GRPO step, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), "
         f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens, "
-        f"{exact['device']}; median of {args.iters} steps"
+        f"{exact['device']}; median of 2 x {args.iters} steps (sides run ABBA)"
     )
     print(
         f"  {'':<10}" + "".join(f"{name:>11}" for name in ("generate", "train", "push", "step", "peak GPU"))

@@ -63,7 +63,9 @@ from batch_invariant_backward import EXACT, Kernels
 
 
 @dataclass
-class Args:
+class Data:
+    """The model, the data and the seed."""
+
     model: str = "Qwen/Qwen3-1.7B"
     """Qwen3 checkpoint: a Hugging Face hub id, or a local directory (config.json, safetensors, tokenizer)"""
     dataset: str | None = None
@@ -75,38 +77,32 @@ class Args:
     'auto': chat if the tokenizer has a template"""
     thinking: bool = False
     """let Qwen3's chat template open a <think> block (long completions); off by default"""
-    run_name: str | None = None
-    """TensorBoard run runs/<run_name>, checkpoints <output_dir>/<run_name>; default: a timestamp"""
-    output_dir: str = "checkpoints"
-    """where Hugging Face checkpoints are written"""
+    max_prompt_tokens: int = 512
+    """longer prompts are skipped (and counted at start), never cut"""
     seed: int = 0
     """seed of the data order, the sampling and the trainer"""
 
-    steps: int = 200
-    """optimizer steps (one batch of rollouts each)"""
+
+@dataclass
+class Sampling:
+    """What vLLM samples each step."""
+
     prompts_per_step: int = 32
     """GSM8K questions per step"""
     samples_per_prompt: int = 8
     """G: completions sampled per question, the group advantages are normalised over"""
     max_new_tokens: int = 512
     """completion length limit"""
-    max_prompt_tokens: int = 512
-    """longer prompts are skipped (and counted at start), never cut"""
     temperature: float = 1.0
     """sampling temperature; the policy trained is the tempered one, softmax(logits / T), whose logprobs
     vLLM returns (its processed logprobs): ratios stay exact at any T. Top-k and top-p are not offered:
     their masking would have to be mirrored too"""
 
-    lr: float = 1e-6
-    """peak AdamW learning rate"""
-    warmup_steps: int = 10
-    """linear warm-up steps, then cosine decay (a run shorter than this warms up over all its steps)"""
-    min_lr_ratio: float = 0.1
-    """the cosine decays to lr * min_lr_ratio"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping threshold (global L2 norm)"""
+
+@dataclass
+class Loss:
+    """The GRPO loss, and the corrections for runs whose sampler and trainer differ."""
+
     clip_eps: float = 0.2
     """PPO clip range of the token ratio"""
     kl_coef: float = 0.0
@@ -129,6 +125,30 @@ class Args:
     correction_geometric_mean: bool = False
     """sequence level: the per-token geometric mean exp(mean log-ratio) instead of exp(sum), so that the
     bounds mean the same for short and long completions"""
+
+
+@dataclass
+class Optimizer:
+    """AdamW on fp32 master weights, and its schedule."""
+
+    steps: int = 200
+    """optimizer steps (one batch of rollouts each)"""
+    lr: float = 1e-6
+    """peak AdamW learning rate"""
+    warmup_steps: int = 10
+    """linear warm-up steps, then cosine decay (a run shorter than this warms up over all its steps)"""
+    min_lr_ratio: float = 0.1
+    """the cosine decays to lr * min_lr_ratio"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold (global L2 norm)"""
+
+
+@dataclass
+class WarmStart:
+    """An optional supervised warm start before GRPO."""
+
     sft_steps: int = 0
     """supervised warm start before GRPO: steps of teacher forcing on the train set's reference answers"""
     sft_lr: float = 1e-4
@@ -136,10 +156,20 @@ class Args:
     sft_batch_size: int = 64
     """questions per warm-start step"""
 
+
+@dataclass
+class Parity:
+    """The bitwise check of every sampled token."""
+
     assert_bitwise: bool = True
     """abort at the first sampled token whose trainer logprob differs from vLLM's"""
     parity_report_tokens: int = 4
     """first tokens of sample 0 printed every step with both logprobs; 0 prints only the summary"""
+
+
+@dataclass
+class EngineAndMemory:
+    """How vLLM and the trainer share the GPU."""
 
     vllm_gpu_memory: float = 0.5
     """share of the GPU's memory vLLM holds while it generates (its weights, KV cache and CUDA graphs);
@@ -154,10 +184,19 @@ class Args:
     """keep only each layer's input in the forward and recompute the layer in the backward: a fraction
     of the activation memory for about a third more train time (for models that do not fit otherwise)"""
 
+
+@dataclass
+class EvalAndCheckpoints:
+    """Evaluation, TensorBoard, checkpoints and resuming."""
+
     eval_every: int = 20
     """greedy GSM8K accuracy before training, every N steps and at the end; 0 disables"""
     eval_samples: int = 256
     """test questions per evaluation"""
+    run_name: str | None = None
+    """TensorBoard run runs/<run_name>, checkpoints <output_dir>/<run_name>; default: a timestamp"""
+    output_dir: str = "checkpoints"
+    """where Hugging Face checkpoints are written"""
     save_every: int = 0
     """checkpoint every N steps (one is always written at the end): Hugging Face weights that vLLM and
     transformers load, plus the training state that --resume continues from"""
@@ -166,6 +205,29 @@ class Args:
     resume: str | None = None
     """a checkpoint directory (<output_dir>/<run_name>/step_N) to continue the run from, bit for bit;
     the flags that define the run must be those it was started with"""
+
+
+# --help shows the flags under these titles; the code reads one flat Args (args.temperature).
+FLAG_GROUPS = {"data": Data, "sampling": Sampling, "grpo_loss": Loss, "optimizer": Optimizer,
+               "warm_start": WarmStart, "parity": Parity, "engine_and_memory": EngineAndMemory,
+               "evaluation_and_checkpoints": EvalAndCheckpoints}
+Args = dataclasses.make_dataclass("Args", [
+    (f.name, f.type, dataclasses.field(default=f.default))
+    for group in FLAG_GROUPS.values() for f in dataclasses.fields(group)])
+
+
+def parse_command_line(argv: list[str] | None = None) -> Args:
+    import tyro
+
+    grouped = dataclasses.make_dataclass("CommandLine", [
+        (title, tyro.conf.OmitArgPrefixes[group], dataclasses.field(default_factory=group))
+        for title, group in FLAG_GROUPS.items()])
+    summary = __doc__.split("\n\n")[0].replace("\n", " ")
+    setting = ("Set VLLM_BATCH_INVARIANT=1 in the environment: vLLM reads it at import, and without it "
+               "the logprobs cannot be bitwise equal.")
+    parsed = tyro.cli(grouped, args=argv, description=f"{summary} {setting}")
+    flags = {name: value for title in FLAG_GROUPS for name, value in asdict(getattr(parsed, title)).items()}
+    return Args(**flags)
 
 
 def batch_invariant_enabled() -> bool:
@@ -1413,13 +1475,8 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
 
 
 if __name__ == "__main__":
-    import tyro
-
     try:
-        summary = __doc__.split("\n\n")[0].replace("\n", " ")
-        setting = ("Set VLLM_BATCH_INVARIANT=1 in the environment: vLLM reads it at import, and without it "
-                   "the logprobs cannot be bitwise equal.")
-        main(tyro.cli(Args, description=f"{summary} {setting}"))
+        main(parse_command_line())
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -193,6 +193,22 @@ def test_bad_flags_give_one_line_errors(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_help_groups_the_flags_and_keeps_their_names(tmp_path):
+    result = run_script("--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "Set VLLM_BATCH_INVARIANT=1 in the environment" in text
+    titles = ["data", "sampling", "grpo-loss", "optimizer", "warm-start", "parity", "engine-and-memory",
+              "evaluation-and-checkpoints"]
+    positions = [text.index(f"{title} options") for title in titles]
+    assert positions == sorted(positions)
+    assert text.index("--temperature FLOAT") > text.index("sampling options")
+    assert text.index("--kl-coef FLOAT") > text.index("grpo-loss options")
+    args = simple_rl.parse_command_line(["--temperature", "0.7", "--no-assert-bitwise", "--keep-last", "5"])
+    assert args == dataclasses.replace(simple_rl.Args(), temperature=0.7, assert_bitwise=False, keep_last=5)
+    assert simple_rl.parse_command_line([]) == simple_rl.Args()
+
+
 def test_a_run_name_in_use_is_refused(tmp_path):
     (tmp_path / "runs" / "taken").mkdir(parents=True)
     error = one_line_error(run_script("--run-name", "taken", env_update=ON, cwd=tmp_path))
