@@ -137,7 +137,9 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
     """`rms_norm_batch_invariant`: vLLM's Triton RMSNorm, one program per row. With the fused
     add+norm replaced by a bf16 add and this kernel (see simple_rl.py), it is every norm of the model.
     Backward, with r = rsqrt(mean(x^2) + eps) and gw = dy * w:
-    dx = r * (gw - x * r^2 * mean(gw * x)), dw = sum over rows of dy * x * r."""
+    dx = r * (gw - x * r^2 * mean(gw * x)), dw = sum over rows of dy * x * r; on CUDA PyTorch's
+    fused RMSNorm kernels compute it (r recomputed, fp32 math, one rounding), in two kernels rather
+    than a dozen elementwise passes over the activations."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -152,6 +154,12 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
+        if x.is_cuda:
+            dims = [x.shape[-1]]
+            _, inv_rms = torch.ops.aten._fused_rms_norm(x, dims, None, ctx.eps)
+            grad_x, grad_w = torch.ops.aten._fused_rms_norm_backward(
+                grad_out, x, dims, inv_rms, weight, [True, True])
+            return grad_x, grad_w, None
         acc = _acc(x.dtype)
         xf, g = x.to(acc), grad_out.to(acc)
         inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
@@ -189,28 +197,34 @@ class SiluAndMul(torch.autograd.Function):
         return grad
 
 
+def _vllm_rotary(q, k, positions, cos_sin_cache):
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    T, H, D = q.shape
+    q_rot, k_rot = (t.clone(memory_format=torch.contiguous_format) for t in (q, k))
+    # vLLM hands the kernel (T, heads * D) views, as the attention layer sees them.
+    torch.ops._C.rotary_embedding(positions, q_rot.view(T, -1), k_rot.view(T, -1), D, cos_sin_cache, True)
+    return q_rot, k_rot
+
+
 class Rotary(torch.autograd.Function):
     """`torch.ops._C.rotary_embedding`: vLLM's neox-style rotary kernel (in place in vLLM, on copies
-    here). A rotation is orthogonal, so the backward is the inverse rotation (angle -> -angle)."""
+    here). A rotation is orthogonal, so the backward is the inverse rotation (angle -> -angle): on
+    CUDA the same kernel with the sines negated."""
 
     @staticmethod
     def forward(ctx, q, k, positions, cos_sin_cache):
         ctx.save_for_backward(positions, cos_sin_cache)
         if q.is_cuda:
-            import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
-
-            T, H, D = q.shape
-            q_rot, k_rot = q.clone(), k.clone()
-            # vLLM hands the kernel (T, heads * D) views, as the attention layer sees them.
-            torch.ops._C.rotary_embedding(
-                positions, q_rot.view(T, -1), k_rot.view(T, -1), D, cos_sin_cache, True
-            )
-            return q_rot, k_rot
+            return _vllm_rotary(q, k, positions, cos_sin_cache)
         return rotary_reference(q, k, positions, cos_sin_cache)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         positions, cos_sin_cache = ctx.saved_tensors
+        if grad_q.is_cuda:
+            cos, sin = cos_sin_cache.chunk(2, dim=-1)
+            return *_vllm_rotary(grad_q, grad_k, positions, torch.cat((cos, -sin), dim=-1)), None, None
         cos, sin = _cos_sin(positions, cos_sin_cache, grad_q.dtype)
         return _rotate(grad_q, cos, -sin), _rotate(grad_k, cos, -sin), None, None
 
