@@ -165,6 +165,10 @@ class Parity:
     """abort at the first sampled token whose trainer logprob differs from vLLM's"""
     parity_report_tokens: int = 4
     """first tokens of sample 0 printed every step with both logprobs; 0 prints only the summary"""
+    locate_divergence: bool = False
+    """with --no-assert-bitwise: at every step with a mismatch, find the first op whose bits differ for the
+    first mismatching sample (as a parity abort always does): a prefill through vLLM with hooks on its
+    modules and through the trainer, compared tensor by tensor"""
 
 
 @dataclass
@@ -982,7 +986,7 @@ def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torc
     for tok, a, b in list(zip(tokens[0], vllm_logprobs[0].tolist(), trainer_logprobs[0].tolist()))[:show]:
         lines.append(f"  {tok:>8} {a:>16.9f} {b:>16.9f} {fp32_hex(a):>14} {fp32_hex(b):>17} {b - a:>10.3g}")
     lines.append(f"  Bitwise identical: {mismatched == 0}, different tokens {mismatched} / {len(v)}")
-    first = None
+    first = None  # (message, sample, token)
     if mismatched:
         flat = int(differ.nonzero()[0])
         lens = torch.tensor([len(x) for x in vllm_logprobs]).cumsum(0)
@@ -990,8 +994,120 @@ def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torc
         token = flat - (int(lens[sample - 1]) if sample else 0)
         first = (f"sample {sample} token {token} (id {tokens[sample][token]}): "
                  f"vLLM logprob {float(v[flat])!r} but trainer {float(t[flat])!r}; "
-                 f"{mismatched} of {len(v)} sampled tokens differ")
+                 f"{mismatched} of {len(v)} sampled tokens differ", sample, token)
     return metrics, "\n".join(lines if show else lines[-1:]), first
+
+
+# =============================================================================================
+# Divergence locator: where the bits part, when parity breaks
+# =============================================================================================
+
+LAYER_OPS = ("residual_in", "attention_norm", "qkv", "q_norm", "k_norm", "rotary", "attention", "o_proj",
+             "residual", "ffn_norm", "gate_up", "swiglu", "down")
+"""A transformer block's tensors in forward order. 'residual_in' is the block's input sum (layer 0: the
+embedding) and 'residual' the sum after attention: the adds vLLM fuses into the norms that follow."""
+BLOCK_KERNELS = ("attention_norm", "qkv", "q_norm", "k_norm", "rotary", "attention", "o_proj", "ffn_norm",
+                 "gate_up", "swiglu", "down")
+"""The block's kernel calls in the trainer, in order (see `TransformerBlock.forward` and `Attention`)."""
+
+
+def as_rows(x) -> torch.Tensor:
+    """(T, ...) tensor, or a (q, k) pair, as (T, n) fp32 (a bf16 value and its fp32 copy have equal bits)."""
+    if isinstance(x, tuple):
+        return torch.cat([as_rows(t) for t in x], dim=1)
+    return x.reshape(x.shape[0], -1).float()
+
+
+@torch.no_grad()
+def trainer_trace(model: Qwen3, tokens: list[int]) -> dict:
+    """Every intermediate tensor of the trainer's forward over one sequence, and the last row's logits,
+    by (layer, op): each kernel of the model records its input and output as it runs."""
+    calls = []
+
+    def recorded(fn):
+        def run(x, *args, **kwargs):
+            out = fn(x, *args, **kwargs)
+            calls.append((x, out))
+            return out
+        return run
+
+    originals = {m: m.kernels for m in model.modules() if hasattr(m, "kernels")}
+    for m, kernels in originals.items():
+        m.kernels = Kernels(**{f.name: recorded(getattr(kernels, f.name)) for f in dataclasses.fields(kernels)})
+    try:
+        batch = pack_sequences([tokens], [[]], model.cos_sin_cache.device)
+        model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+    finally:
+        for m, kernels in originals.items():
+            m.kernels = kernels
+    trace, n = {}, len(BLOCK_KERNELS)
+    for layer in range(model.args.n_layers):
+        block = calls[layer * n: (layer + 1) * n]
+        trace |= {(layer, op): as_rows(out) for op, (_, out) in zip(BLOCK_KERNELS, block)}
+        trace[layer, "residual_in"], trace[layer, "residual"] = as_rows(block[0][0]), as_rows(block[7][0])
+    final_residual, final_norm = calls[model.args.n_layers * n]
+    trace[None, "final_residual"], trace[None, "final_norm"] = as_rows(final_residual), as_rows(final_norm)
+    trace[None, "logits"] = as_rows(model.kernels.linear(final_norm[-1:], model.output_weight))
+    return trace
+
+
+def vllm_trace(engine, tokens: list[int]) -> dict:
+    """The same tensors from vLLM's served model: forward hooks on its modules during a prefill of the
+    sequence (one more token sampled, which computes the last row's logits)."""
+    trace, handles = {}, []
+
+    def hook(key, pick):
+        return lambda module, inputs, output: trace.setdefault(key, []).append(as_rows(pick(output)).clone())
+
+    def first(output):  # vLLM's linear layers return (output, bias), its fused add+norms (output, residual)
+        return output[0] if isinstance(output, tuple) else output
+
+    def second(output):
+        return output[1]
+
+    def register(served):
+        hooks = [(served.model.embed_tokens, (0, "residual_in"), first),
+                 (served.model.norm, (None, "final_norm"), first),
+                 (served.model.norm, (None, "final_residual"), second),
+                 (served.logits_processor, (None, "logits"), first)]
+        for i, layer in enumerate(served.model.layers):
+            att, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+            modules = {"attention_norm": layer.input_layernorm, "qkv": att.qkv_proj, "q_norm": att.q_norm,
+                       "k_norm": att.k_norm, "attention": att.attn, "o_proj": att.o_proj, "ffn_norm": post,
+                       "gate_up": mlp.gate_up_proj, "swiglu": mlp.act_fn, "down": mlp.down_proj}
+            hooks += [(module, (i, op), first) for op, module in modules.items()]
+            hooks += [(att.rotary_emb, (i, "rotary"), tuple), (post, (i, "residual"), second)]
+            if i:
+                hooks.append((layer.input_layernorm, (i, "residual_in"), second))
+        handles.extend(module.register_forward_hook(hook(key, pick)) for module, key, pick in hooks)
+
+    engine.llm.apply_model(register)
+    try:
+        engine.generate([tokens], [1], 1.0, [0])
+    finally:
+        engine.llm.apply_model(lambda served: [h.remove() for h in handles])
+    return {key: torch.cat(parts) for key, parts in trace.items()}  # a chunked prefill: a call per chunk
+
+
+def first_divergence(trainer: dict, served: dict, n_layers: int) -> str:
+    """The first tensor, in forward order, whose bits differ between the two traces."""
+    keys = [(layer, op) for layer in range(n_layers) for op in LAYER_OPS]
+    for key in keys + [(None, "final_residual"), (None, "final_norm"), (None, "logits")]:
+        a, b = trainer[key], served[key].to(trainer[key].device)
+        where = key[1] if key[0] is None else f"layer {key[0]} {key[1]}"
+        if a.shape != b.shape:
+            return f"{where}: shapes {tuple(a.shape)} (trainer) and {tuple(b.shape)} (vLLM)"
+        differ = a.view(torch.int32) != b.view(torch.int32)
+        if differ.any():
+            return (f"{where}: {int(differ.sum())} of {differ.numel()} elements differ, max |delta| "
+                    f"{float((a - b).abs().max()):.3g}; every tensor before it is bitwise equal")
+    return "no intermediate tensor differs up to the logits: the difference is in the log-softmax"
+
+
+def locate_divergence(engine, model: Qwen3, tokens: list[int]) -> str:
+    """Runs a sequence through vLLM (hooks on its modules) and the trainer, and names the first op whose
+    output bits differ."""
+    return first_divergence(trainer_trace(model, tokens), vllm_trace(engine, tokens), model.args.n_layers)
 
 
 # =============================================================================================
@@ -1385,6 +1501,32 @@ def step_scalars(rollouts: Rollouts, loss_metrics: dict, parity: dict, grad_norm
     return scalars
 
 
+def check_parity(engine, model: Qwen3, rollouts: Rollouts, trainer_logprobs: list, served_checksum: int,
+                 args: Args, step: int, writer) -> tuple[dict, int]:
+    """The step's parity report. On a mismatch, with --assert-bitwise or --locate-divergence, vLLM is
+    woken with the weights that sampled (the update has not happened) and the first diverging op of
+    the first mismatching sample is found; --assert-bitwise then stops the run. Returns the parity
+    metrics and the served checksum."""
+    from tqdm import tqdm
+
+    parity, report, first = parity_report(rollouts.vllm_logprobs, trainer_logprobs, rollouts.completions,
+                                          args.parity_report_tokens)
+    heading = f"step {step} parity (first tokens of sample 0):\n" if args.parity_report_tokens else ""
+    tqdm.write(heading + report)
+    if first and (args.assert_bitwise or args.locate_divergence):
+        message, sample, token = first
+        served_checksum = sync_weights(engine, model, served_checksum, changed=False)
+        # The sequence up to the mismatching token: its last row's logits predict that token.
+        tokens = rollouts.prompts[sample] + rollouts.completions[sample][:token]
+        message = f"step {step}: {message}; first divergence: {locate_divergence(engine, model, tokens)}"
+        if args.assert_bitwise:
+            log_step(writer, step, {f"parity/{k}": v for k, v in parity.items()}, "parity broken")
+            raise ParityError(message)
+        tqdm.write(message)
+        engine.sleep()  # the trainer goes on
+    return parity, served_checksum
+
+
 def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], writer, served_checksum: int):
     """The GRPO loop: vLLM samples while the trainer's weights wait in memory; vLLM sleeps while the
     trainer trains; then the new weights wake vLLM up."""
@@ -1417,13 +1559,8 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
             if ref_model is not None:
                 ref_lps = reference_logprobs(ref_model, rollouts, args)
             loss_metrics, trainer_logprobs = train_on_rollouts(model, optimizer, rollouts, ref_lps, args)
-            parity, report, first_mismatch = parity_report(rollouts.vllm_logprobs, trainer_logprobs,
-                                                           rollouts.completions, args.parity_report_tokens)
-            heading = f"step {step} parity (first tokens of sample 0):\n" if args.parity_report_tokens else ""
-            tqdm.write(heading + report)
-            if first_mismatch and args.assert_bitwise:
-                log_step(writer, step, {f"parity/{k}": v for k, v in parity.items()}, "parity broken")
-                raise ParityError(f"step {step}: {first_mismatch}")  # before the update: weights as sampled
+            parity, served_checksum = check_parity(engine, model, rollouts, trainer_logprobs, served_checksum,
+                                                   args, step, writer)
             lr = lr_at(step, args)
             grad_norm, deltas = optimizer.step(lr, args.max_grad_norm)
         with phase("push", times, memory):

@@ -114,6 +114,50 @@ def test_logprobs_are_bitwise_vllms_at_other_temperatures(served, temperature):
     assert mismatched == 0
 
 
+def test_the_locator_names_each_injected_divergence(served):
+    """With nothing injected, every intermediate tensor of a 300-token prefill, up to the logits, is
+    bitwise vLLM's; each injected divergence is named at its layer and op."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers import layernorm
+
+    engine, model, config, name, _ = served
+    tokens = torch.randint(0, config["vocab_size"], (300,), generator=torch.Generator().manual_seed(9)).tolist()
+
+    def locate() -> str:
+        return simple_rl.locate_divergence(engine, model, tokens)
+
+    assert locate().startswith("no intermediate tensor differs up to the logits")
+    ffn = model.layers[1].feed_forward
+    kernels = ffn.kernels
+    ffn.kernels = dataclasses.replace(kernels, linear=torch.nn.functional.linear)  # cuBLAS, not vLLM's matmul
+    try:
+        assert locate().startswith("layer 1 gate_up: ")
+    finally:
+        ffn.kernels = kernels
+    table = model.cos_sin_cache.clone()
+    half = model.args.head_dim // 2
+    inv_freq = (1.0 / model.args.rope_theta ** (torch.arange(0, half, device="cuda") / half)).bfloat16()
+    angles = torch.arange(len(table), device="cuda").bfloat16()[:, None] * inv_freq  # in bf16, not fp32
+    model.cos_sin_cache.copy_(torch.cat([angles.cos(), angles.sin()], dim=-1))
+    try:
+        assert locate().startswith("layer 0 rotary: ")
+    finally:
+        model.cos_sin_cache.copy_(table)
+    replacement = layernorm.fused_add_rms_norm
+
+    def vllms_own_fused_add_rms_norm(x, residual, weight, eps):  # what simple_rl.py replaces
+        ops.fused_add_rms_norm(x, residual, weight, eps)
+        return x, residual
+
+    layernorm.fused_add_rms_norm = vllms_own_fused_add_rms_norm
+    try:
+        message = locate()
+    finally:
+        layernorm.fused_add_rms_norm = replacement
+    print(f"\n[{name}] vLLM's own fused add+RMSNorm: {message}")
+    assert message.startswith("layer 1 attention_norm: ")
+
+
 def test_cuda_graph_engine_gives_the_eager_bits(served):
     """The same 512 requests through an eager engine: the same tokens and the same logprob bits."""
     engine, _, config, name, ckpt = served

@@ -152,3 +152,19 @@ def test_chat_format_run_is_bitwise(tmp_path):
                  extra=["--prompt-format", "chat", "--thinking", "--steps", "3", "--sft-steps", "20",
                         "--sft-lr", "1e-3", "--eval-every", "0"])
     assert values(events, "parity/mismatched_tokens") == [0.0] * 3
+
+
+def test_an_inexact_run_locates_where_the_bits_part(tmp_path):
+    """Batch invariance off and --locate-divergence: at every step the first mismatching sample is run
+    through vLLM (hooks on its modules) and the trainer, the first op whose bits differ is printed, and
+    the run goes on."""
+    model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", hidden=256, layers=4, heads=4, kv_heads=2,
+                                  head_dim=128, intermediate=768)
+    command, env = script_command(tmp_path, model_dir, "located", batch_invariant=False,
+                                  extra=["--locate-divergence"])
+    command[command.index("--steps") + 1] = "2"
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    located = [line for line in result.stdout.splitlines() if "first divergence: " in line]
+    print("\n[locator, batch invariance off] " + "\n".join(located))
+    assert len(located) == 2 and all("first divergence: layer 0 " in line for line in located)

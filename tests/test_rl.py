@@ -150,11 +150,48 @@ def test_parity_report_names_the_first_mismatch():
     off[1][1] = torch.nextafter(off[1][1], torch.tensor(0.0))  # one ulp
     metrics, report, first = simple_rl.parity_report(vllm, off, [[5, 6], [7, 8, 9]], show=0)
     assert metrics["mismatched_tokens"] == 1 and metrics["max_abs_logprob_diff"] > 0
-    assert first.startswith("sample 1 token 1 (id 8)") and "Bitwise identical: False" in report
+    assert first[0].startswith("sample 1 token 1 (id 8)") and first[1:] == (1, 1) and "Bitwise identical: False" in report
     # The printed fp32 bits tell apart two logprobs one ulp apart, which bf16 rounds together.
     _, report, _ = simple_rl.parity_report(vllm[1:], off[1:], [[7, 8, 9]], show=2)
     row = report.splitlines()[2].split()
     assert row[3] == "0xbe800000" and row[4] == "0xbe7fffff"
+
+
+def test_the_divergence_locator_names_the_first_op_whose_bits_differ(tmp_path):
+    """Trainer against trainer (vLLM's side of the locator needs a GPU: tests/test_gpu_rl.py): a
+    divergence injected into one op is named, at its layer, and nothing before it is."""
+    from conftest import qwen3_config, write_checkpoint
+
+    model_dir = write_checkpoint(tmp_path / "m", qwen3_config(layers=3), seed=4)
+    tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    reference = simple_rl.trainer_trace(simple_rl.load_qwen3(model_dir, "cpu"), tokens)
+
+    def nudged(fn):  # the same op, one bf16 ulp or so off
+        return lambda x, *args: (lambda out: tuple(o * 1.01 for o in out) if isinstance(out, tuple) else out * 1.01)(
+            fn(x, *args))
+
+    def locate(inject) -> str:
+        model = simple_rl.load_qwen3(model_dir, "cpu")
+        inject(model)
+        return simple_rl.first_divergence(simple_rl.trainer_trace(model, tokens), reference, 3)
+
+    def with_kernel(module, name):
+        module.kernels = dataclasses.replace(module.kernels, **{name: nudged(getattr(module.kernels, name))})
+
+    assert locate(lambda m: None).startswith("no intermediate tensor differs")
+    assert locate(lambda m: with_kernel(m.layers[1].attention, "rms_norm")).startswith("layer 1 q_norm: ")
+    assert locate(lambda m: with_kernel(m.layers[2].feed_forward, "silu_and_mul")).startswith("layer 2 swiglu: ")
+    assert locate(lambda m: with_kernel(m.layers[0].attention, "attention")).startswith("layer 0 attention: ")
+    assert locate(lambda m: with_kernel(m, "rms_norm")).startswith("final_norm: ")
+
+    def other_rotary_table(model):  # the angles computed in bf16 rather than fp32
+        half = model.args.head_dim // 2
+        inv_freq = (1.0 / model.args.rope_theta ** (torch.arange(0, half) / half)).to(torch.bfloat16)
+        angles = torch.arange(len(model.cos_sin_cache)).to(torch.bfloat16)[:, None] * inv_freq
+        model.cos_sin_cache.copy_(torch.cat([angles.cos(), angles.sin()], dim=-1))
+
+    message = locate(other_rotary_table)
+    assert message.startswith("layer 0 rotary: ") and "every tensor before it is bitwise equal" in message
 
 
 # --- bad input ----------------------------------------------------------------------------------
