@@ -1033,7 +1033,7 @@ def trainer_trace(model: Qwen3, tokens: list[int]) -> dict:
 
     originals = {m: m.kernels for m in model.modules() if hasattr(m, "kernels")}
     for m, kernels in originals.items():
-        m.kernels = Kernels(**{f.name: recorded(getattr(kernels, f.name)) for f in dataclasses.fields(kernels)})
+        m.kernels = Kernels(*(recorded(getattr(kernels, k.name)) for k in dataclasses.fields(Kernels)))
     try:
         batch = pack_sequences([tokens], [[]], model.cos_sin_cache.device)
         model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
