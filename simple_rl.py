@@ -49,6 +49,7 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
@@ -567,7 +568,17 @@ class Qwen3(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def forward(self, tokens, positions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+    def forward(self, batch: "PackedBatch", temperature: float = 1.0):
+        """(logprob (C,), entropy (C,)) in fp32 of every completion token of the packed batch under
+        softmax(z / temperature), computed as vLLM's sampler computes its processed logprobs: lm_head
+        on the rows that predict them (bf16 logits z), the fp32 logits divided by the temperature,
+        log_softmax. lm_head is part of the forward so that a sharded trainer gathers the (possibly
+        tied) embedding once, for the whole model."""
+        hidden = self.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        return self.kernels.lm_head_logprobs(hidden[batch.target_rows], self.output_weight, batch.targets,
+                                             temperature)
+
+    def hidden_states(self, tokens, positions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
         """Packed sequences (T,) -> final hidden states (T, dim)."""
         h, residual = F.embedding(tokens, self.tok_embeddings.weight), None
         for layer in self.layers:
@@ -824,6 +835,55 @@ def sync_weights(engine, model: Qwen3, served_checksum: int, changed: bool) -> i
 
 
 # =============================================================================================
+# Several GPUs (torchrun): data parallel, FSDP2-sharded trainer
+# =============================================================================================
+
+
+def init_distributed(device: str) -> int:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on the CPU) and take
+    this rank's GPU. Returns the number of processes; with one, nothing is set up."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return world
+
+
+def shard_model(model: Qwen3) -> Qwen3:
+    """FSDP2 over all ranks: one unit per transformer block, and the root (embedding, final norm,
+    lm_head, which may share the embedding's weight). Each rank keeps 1/N of every weight; a unit's
+    weights are all-gathered for its forward and its backward, and its gradients reduce-scattered,
+    summed in fp32 (not averaged: the loss is divided by the token count of all ranks' samples)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = model.cos_sin_cache.device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for unit in (*model.layers, model):
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
+    return model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) weight or gradient; a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def all_ranks_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the ranks of a torchrun job; x itself in a single process."""
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+# =============================================================================================
 # Logprobs and loss
 # =============================================================================================
 
@@ -879,20 +939,18 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
 
 
 def packed_micro_batches(prompts: list[list[int]], completions: list[list[int]], token_budget: int, device):
-    """Yields (sample indices, PackedBatch) over consecutive samples, each at most `token_budget` tokens."""
+    """Yields (sample indices, PackedBatch) over consecutive samples, each at most `token_budget` tokens;
+    under torchrun, as many on every rank: a sharded forward is a collective that all ranks run together."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    for idx in micro_batches(lengths, token_budget):
+    groups = micro_batches(lengths, token_budget)
+    if dist.is_initialized():
+        count = torch.tensor(len(groups), device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        while len(groups) < count:  # halve the group of most samples (the sums stay the same)
+            i = max(range(len(groups)), key=lambda j: len(groups[j]))
+            groups[i:i + 1] = [groups[i][: len(groups[i]) // 2], groups[i][len(groups[i]) // 2:]]
+    for idx in groups:
         yield idx, pack_sequences([prompts[i] for i in idx], [completions[i] for i in idx], device)
-
-
-def token_logprobs(model: Qwen3, batch: PackedBatch, temperature: float = 1.0):
-    """(logprob (C,), entropy (C,)) in fp32 of every completion token under softmax(z / temperature),
-    computed as vLLM's sampler computes its processed logprobs: lm_head on the rows that predict them
-    (bf16 logits z), the fp32 logits divided by the temperature, log_softmax; one chunk of rows at a
-    time (the full logits of a micro-batch never exist)."""
-    hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
-    rows = hidden[batch.target_rows]
-    return model.kernels.lm_head_logprobs(rows, model.output_weight, batch.targets, temperature)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool) -> torch.Tensor:
@@ -1035,20 +1093,22 @@ class MasterWeights:
     def step(self, lr: float, max_grad_norm: float) -> tuple[float, dict]:
         """Clip, step, write back. Returns the pre-clip gradient norm and, per layer, the L2 norm
         of the bf16 weight change and that norm relative to the layer's weights."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.masters, max_grad_norm)
+        grad_norm = torch.nn.utils.get_total_norm([master.grad for master in self.masters])
+        if hasattr(grad_norm, "full_tensor"):  # sharded: this rank's part of the norm; all ranks' is
+            grad_norm = grad_norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(self.masters, max_grad_norm, grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # the fp32 gradients free their memory until next step
-        change, size = {}, {}
+        squares = {}  # per layer: (squared norm of the change, squared norm of the weights), this rank's
         for master, (name, p) in zip(self.masters, self.named):
-            new = master.to(p.dtype)
+            new, old = local(master).to(p.dtype).float(), local(p).float()
             layer = layer_of(name)
-            change[layer] = change.get(layer, 0) + (new.float() - p.float()).pow(2).sum()
-            size[layer] = size.get(layer, 0) + p.float().pow(2).sum()
-            p.copy_(new)
-        deltas = {layer: (float(change[layer].sqrt()), float(change[layer].sqrt() / size[layer].sqrt()))
-                  for layer in change}
+            squares[layer] = squares.get(layer, 0) + torch.stack([(new - old).pow(2).sum(), old.pow(2).sum()])
+            p.copy_(master.to(p.dtype))
+        totals = all_ranks_sum(torch.stack(list(squares.values()))).sqrt().tolist()
+        deltas = {layer: (change, change / size) for layer, (change, size) in zip(squares, totals)}
         return float(grad_norm), deltas
 
 
@@ -1082,7 +1142,7 @@ def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, args: Args) -> list
     device = ref_model.tok_embeddings.weight.device
     token_budget = args.max_tokens_per_microbatch
     for _, batch in packed_micro_batches(rollouts.prompts, rollouts.completions, token_budget, device):
-        out += token_logprobs(ref_model, batch, args.temperature)[0].split(batch.completion_lens)
+        out += ref_model(batch, args.temperature)[0].split(batch.completion_lens)
     return out
 
 
@@ -1090,14 +1150,14 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     """Forward + backward over all rollouts in micro-batches (gradients accumulated in fp32).
     The training forward's logprobs are also the ones checked against vLLM: parity costs no extra
     forward. Returns per-token means of the loss terms and the trainer's logprobs per sample."""
-    device = model.tok_embeddings.weight.device
-    n_tokens = sum(len(c) for c in rollouts.completions)
+    device = model.cos_sin_cache.device
+    n_tokens = int(all_ranks_sum(torch.tensor(sum(len(c) for c in rollouts.completions), device=device)))
     names = ("loss", "pg_loss", "kl_div", "entropy", "ratio_mean", "ratio_clipped_frac",
              "correction_weight_mean", "correction_cut_frac", "correction_weight_sq")
     sums, logprobs_all = [], []  # per micro-batch, kept on the GPU
     token_budget = args.max_tokens_per_microbatch
     for idx, batch in packed_micro_batches(rollouts.prompts, rollouts.completions, token_budget, device):
-        logprobs, entropy = token_logprobs(model, batch, args.temperature)  # (C,), (C,)
+        logprobs, entropy = model(batch, args.temperature)  # (C,), (C,)
         lens = torch.tensor(batch.completion_lens, device=device)
         advantages = rollouts.advantages[idx].to(device).repeat_interleave(lens)  # a sample's on each token
         rollout_lp = torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)
@@ -1123,7 +1183,8 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     # One copy to the host for the whole step (a sync per micro-batch would stall the GPU); the
     # division happens there, exactly: CUDA divides by a scalar through its reciprocal, which would
     # turn a ratio sum of exactly n_tokens into a mean one ulp below 1.
-    metrics = {name: total / n_tokens for name, total in zip(names, torch.stack(sums).sum(0).tolist())}
+    totals = all_ranks_sum(torch.stack(sums).sum(0)).tolist()
+    metrics = {name: total / n_tokens for name, total in zip(names, totals)}
     # Effective sample size of the weights, as a fraction of the tokens: 1 when all are equal.
     weight_sq = metrics.pop("correction_weight_sq")
     metrics["correction_ess"] = metrics["correction_weight_mean"] ** 2 / weight_sq if weight_sq else 0.0
@@ -1140,7 +1201,7 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
     n_tokens = sum(len(a) for a in answers)
     total = 0.0
     for _, batch in packed_micro_batches(prompts, answers, args.max_tokens_per_microbatch, device):
-        loss = -token_logprobs(model, batch)[0].sum() / n_tokens
+        loss = -model(batch)[0].sum() / n_tokens
         loss.backward()
         optimizer.accumulate_grads()
         total += float(loss.detach())

@@ -313,14 +313,14 @@ class TrainerAsSampler:
             completion = []
             while len(completion) < n and not (completion and completion[-1] in stop_token_ids):
                 batch = simple_rl.pack_sequences([prompt + completion], [[]], "cpu")
-                hidden = self.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+                hidden = self.model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
                 logits = hidden[-1].float() @ self.model.output_weight.float().t()
                 probs = torch.softmax(logits / max(temperature, 1e-6), -1)
                 completion.append(int(torch.multinomial(probs, 1, generator=g)) if temperature else int(logits.argmax()))
             completions.append(completion)
             batch = simple_rl.pack_sequences([prompt], [completion], "cpu")
             # vLLM's processed logprobs: of the tempered distribution (a greedy request's at T = 1).
-            logprobs.append(simple_rl.token_logprobs(self.model, batch, temperature or 1.0)[0])
+            logprobs.append(self.model(batch, temperature or 1.0)[0])
         return completions, logprobs
 
     def push_weights(self, model):
@@ -559,7 +559,7 @@ def test_corrections_weight_the_policy_gradient(tmp_path):
     completions = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 6, 2, 5)]
     with torch.no_grad():  # the sampler's logprobs, from one micro-batch as the trainer packs them
         batch = simple_rl.pack_sequences(prompts, completions, "cpu")
-        same = list(simple_rl.token_logprobs(model, batch)[0].split(batch.completion_lens))
+        same = list(model(batch)[0].split(batch.completion_lens))
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
 
     def step(config, sampler_logprobs):
@@ -608,10 +608,10 @@ def test_the_trainer_optimises_the_tempered_policy(tmp_path):
     completions = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 3)]
     batch = simple_rl.pack_sequences(prompts, completions, "cpu")
     with torch.no_grad():
-        hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)[batch.target_rows]
+        hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)[batch.target_rows]
         z = torch.nn.functional.linear(hidden, model.output_weight)
         by_hand = torch.log_softmax(z / 0.7, dim=-1).gather(-1, batch.targets[:, None]).squeeze(-1)
-        torch.testing.assert_close(simple_rl.token_logprobs(model, batch, 0.7)[0], by_hand, rtol=0, atol=1e-12)
+        torch.testing.assert_close(model(batch, 0.7)[0], by_hand, rtol=0, atol=1e-12)
     rewards = torch.tensor([1.0, 0.0])
     rollouts = simple_rl.Rollouts(prompts, completions, list(by_hand.split(batch.completion_lens)), rewards,
                                   simple_rl.group_advantages(rewards, 2, True))

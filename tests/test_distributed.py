@@ -1,0 +1,89 @@
+"""The data-parallel trainer (torchrun's environment, FSDP2) on the CPU: two processes over gloo, each
+with half of the step's GRPO groups, make the update that one process makes with all of them."""
+
+import dataclasses
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import qwen3_config, write_checkpoint
+
+import simple_rl
+
+GROUPS, G = 4, 4
+
+
+def step_rollouts(model) -> simple_rl.Rollouts:
+    """GROUPS x G samples of random prompts and completions of unequal lengths, sampled (in this test)
+    by the trainer itself, so every ratio is 1."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(GROUPS)]
+    prompts = [p for p in prompts for _ in range(G)]
+    completions = [torch.randint(0, 256, (int(torch.randint(2, 13, (1,), generator=g)),), generator=g).tolist()
+                   for _ in prompts]
+    with torch.no_grad():
+        logprobs = model(simple_rl.pack_sequences(prompts, completions, "cpu"))[0]
+    rewards = torch.randint(0, 2, (len(prompts),), generator=g).float()
+    return simple_rl.Rollouts(prompts, completions, list(logprobs.split([len(c) for c in completions])),
+                              rewards, simple_rl.group_advantages(rewards, G, True))
+
+
+def one_update(model_dir, rank: int, world: int) -> dict:
+    model = simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32)
+    rollouts = step_rollouts(model)
+    if world > 1:  # this rank's whole groups, as the script deals them
+        share = slice(rank * len(rollouts.prompts) // world, (rank + 1) * len(rollouts.prompts) // world)
+        rollouts = simple_rl.Rollouts(*(getattr(rollouts, f.name)[share] for f in dataclasses.fields(rollouts)))
+        simple_rl.shard_model(model)
+    optimizer = simple_rl.MasterWeights(model, lr=1e-3, weight_decay=0.0)
+    # Micro-batches of at most 40 tokens: the ranks cut their samples into different numbers of them.
+    args = simple_rl.Args(max_tokens_per_microbatch=40)
+    metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args)
+    grad_norm, deltas = optimizer.step(1e-3, max_grad_norm=0.5)
+    weights = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+               for name, p in model.named_parameters()}
+    return {"weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas}
+
+
+def worker(rank: int, world: int, port: int, model_dir, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    assert simple_rl.init_distributed("cpu") == world
+    result = one_update(model_dir, rank, world)
+    if rank == 0:
+        torch.save(result, out)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_make_the_update_of_one(tmp_path):
+    model_dir = write_checkpoint(tmp_path / "model", qwen3_config(layers=3), seed=1)
+    single = one_update(model_dir, 0, 1)
+    mp.spawn(worker, args=(2, free_port(), model_dir, tmp_path / "two.pt"), nprocs=2)
+    two = torch.load(tmp_path / "two.pt")
+
+    assert single["weights"].keys() == two["weights"].keys()
+    moved = 0
+    for name, w in single["weights"].items():
+        torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-7, msg=name)
+        moved += int((w != model_weight(model_dir, name)).sum())
+    assert moved > 0.9 * sum(w.numel() for w in single["weights"].values())  # the update did something
+    assert abs(two["grad_norm"] - single["grad_norm"]) <= 1e-5 * single["grad_norm"]
+    assert single["grad_norm"] > 0.5  # so the clip acted, on the norm over both ranks' shards
+    for name, value in single["metrics"].items():
+        assert abs(two["metrics"][name] - value) <= 1e-5 * max(1.0, abs(value)), name
+    for layer, (change, relative) in single["deltas"].items():
+        assert abs(two["deltas"][layer][0] - change) <= 1e-4 * change, layer
+        assert abs(two["deltas"][layer][1] - relative) <= 1e-4 * relative, layer
+
+
+def model_weight(model_dir, name: str) -> torch.Tensor:
+    return dict(simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32).named_parameters())[name].detach()
