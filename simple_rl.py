@@ -605,20 +605,25 @@ def from_hf_state_dict(hf_state: dict, args: Qwen3ModelArgs) -> dict:
     return state
 
 
-def hf_state_dict(model: Qwen3) -> dict:
-    """The trainer's weights under Hugging Face names, as views (no copy): what vLLM's
-    `load_weights` and `save_file` take."""
+def hf_weights(model: Qwen3):
+    """Yields (Hugging Face name, tensor) for every weight of the trainer, one parameter at a time, as
+    views (no copy): what vLLM's `load_weights` and `save_file` take. A sharded weight is gathered from
+    all ranks first (so every rank must iterate, in the same order): one gathered weight at a time,
+    never a second whole copy of the model."""
     a = model.args
-    state = {name: p.detach() for name, p in model.named_parameters()}
-    for i in range(a.n_layers):
-        p = f"layers.{i}."
-        q, k, v = state.pop(f"{p}attention.wqkv.weight").split(
-            [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
-        )
-        state |= {f"{p}attention.wq.weight": q, f"{p}attention.wk.weight": k, f"{p}attention.wv.weight": v}
-        w1, w3 = state.pop(f"{p}feed_forward.w13.weight").chunk(2)
-        state |= {f"{p}feed_forward.w1.weight": w1, f"{p}feed_forward.w3.weight": w3}
-    return Qwen3StateDictAdapter(a, None).to_hf(state)
+    adapter = Qwen3StateDictAdapter(a, None)
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    for name, p in model.named_parameters():
+        p = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        prefix = name.rsplit(".", 2)[0] + "."  # layers.<i>.attention. / layers.<i>.feed_forward.
+        if name.endswith("attention.wqkv.weight"):
+            names = [prefix + "wq.weight", prefix + "wk.weight", prefix + "wv.weight"]
+            parts = dict(zip(names, p.split([q, kv, kv])))
+        elif name.endswith("feed_forward.w13.weight"):
+            parts = dict(zip([prefix + "w1.weight", prefix + "w3.weight"], p.chunk(2)))
+        else:
+            parts = {name: p}
+        yield from adapter.to_hf(parts).items()
 
 
 def check_checkpoint(model_dir: Path, args: Qwen3ModelArgs) -> None:
@@ -638,7 +643,7 @@ def check_checkpoint(model_dir: Path, args: Qwen3ModelArgs) -> None:
             raise ValueError(f"--model {model_dir}: {f.name} is not a whole safetensors file ({e}); "
                              "download or save it again") from None
     with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in hf_state_dict(Qwen3(args)).items()}
+        expected = {name: tuple(t.shape) for name, t in hf_weights(Qwen3(args))}
     if args.enable_weight_tying:
         shapes.pop("lm_head.weight", None)  # some tied checkpoints store the head too; it is the embedding
     problems = [f"missing {name}" for name in sorted(expected.keys() - shapes.keys())]
@@ -695,7 +700,7 @@ def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path) -> None
     config = json.loads((source_dir / "config.json").read_text())
     config["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    weights = {k: v.contiguous().cpu() for k, v in hf_state_dict(model).items()}
+    weights = {k: v.contiguous().cpu() for k, v in hf_weights(model)}
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
     for f in source_dir.iterdir():
         if f.name.startswith(TOKENIZER_FILES):
@@ -806,8 +811,7 @@ class VLLMEngine:
     def push_weights(self, model: Qwen3) -> None:
         """Copy the trainer's bf16 weights into the served model in-process, no disk: vLLM's own
         `load_weights` copies each HF-named tensor into its merged q/k/v and gate/up slots."""
-        weights = hf_state_dict(model)
-        self.llm.apply_model(lambda served: served.load_weights(iter(weights.items())))
+        self.llm.apply_model(lambda served: served.load_weights(hf_weights(model)))
 
     def weights_checksum(self) -> int:
         return self.llm.apply_model(lambda served: weights_checksum(served.parameters()))[0]
@@ -829,7 +833,7 @@ def sync_weights(engine, model: Qwen3, served_checksum: int, changed: bool) -> i
     engine.push_weights(model)
     engine.wake_up(["kv_cache"])
     checksum = engine.weights_checksum()
-    if checksum != weights_checksum(model.parameters()) or (changed and checksum == served_checksum):
+    if checksum != trainer_checksum(model) or (changed and checksum == served_checksum):
         raise RuntimeError(f"the weight push did not reach vLLM (checksum {served_checksum} -> {checksum})")
     return checksum
 
@@ -881,6 +885,12 @@ def all_ranks_sum(x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x)
     return x
+
+
+def trainer_checksum(model: Qwen3) -> int:
+    """`weights_checksum` of the trainer's whole weights: a sum, so the sum of its shards' over all ranks."""
+    return int(all_ranks_sum(torch.tensor(weights_checksum(local(p) for p in model.parameters()),
+                                          device=model.cos_sin_cache.device)))
 
 
 # =============================================================================================
@@ -1252,7 +1262,7 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, source_di
             state["cuda_rng"] = torch.cuda.get_rng_state()
         torch.save(state, tmp / RESUME_DIR / "state.pt")
         if ref_model is not None:
-            reference = {k: v.contiguous().cpu() for k, v in hf_state_dict(ref_model).items()}
+            reference = {k: v.contiguous().cpu() for k, v in hf_weights(ref_model)}
             save_file(reference, tmp / RESUME_DIR / "reference.safetensors")
         (tmp / RESUME_DIR / "run.json").write_text(json.dumps({"args": asdict(args), "step": step}, indent=2))
     for stale in out_dir.parent.glob(".step_*"):  # what a run killed mid-save left
@@ -1518,7 +1528,7 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
     except ValueError as e:
         raise UsageError(str(e)) from e
     served_checksum = engine.weights_checksum()
-    if served_checksum != weights_checksum(model.parameters()):
+    if served_checksum != trainer_checksum(model):
         raise UsageError(f"vLLM serves other weights than the trainer loaded from {inputs.model_dir} "
                          "(is it a bf16 Qwen3 checkpoint?)")
     writer = open_tensorboard(args, inputs.start_step)

@@ -1,5 +1,6 @@
 """The data-parallel trainer (torchrun's environment, FSDP2) on the CPU: two processes over gloo, each
-with half of the step's GRPO groups, make the update that one process makes with all of them."""
+with half of the step's GRPO groups, make the update that one process makes with all of them, and
+gather the same Hugging Face weights and checksum."""
 
 import dataclasses
 import os
@@ -38,6 +39,7 @@ def one_update(model_dir, rank: int, world: int) -> dict:
         share = slice(rank * len(rollouts.prompts) // world, (rank + 1) * len(rollouts.prompts) // world)
         rollouts = simple_rl.Rollouts(*(getattr(rollouts, f.name)[share] for f in dataclasses.fields(rollouts)))
         simple_rl.shard_model(model)
+    checksum = simple_rl.trainer_checksum(model)  # of the whole weights, from the shards
     optimizer = simple_rl.MasterWeights(model, lr=1e-3, weight_decay=0.0)
     # Micro-batches of at most 40 tokens: the ranks cut their samples into different numbers of them.
     args = simple_rl.Args(max_tokens_per_microbatch=40)
@@ -45,7 +47,9 @@ def one_update(model_dir, rank: int, world: int) -> dict:
     grad_norm, deltas = optimizer.step(1e-3, max_grad_norm=0.5)
     weights = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for name, p in model.named_parameters()}
-    return {"weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas}
+    hf = {name: w.clone() for name, w in simple_rl.hf_weights(model)}  # gathered one by one
+    return {"weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas, "hf": hf,
+            "checksum": checksum}
 
 
 def worker(rank: int, world: int, port: int, model_dir, out) -> None:
@@ -70,7 +74,10 @@ def test_two_processes_make_the_update_of_one(tmp_path):
     mp.spawn(worker, args=(2, free_port(), model_dir, tmp_path / "two.pt"), nprocs=2)
     two = torch.load(tmp_path / "two.pt")
 
-    assert single["weights"].keys() == two["weights"].keys()
+    assert two["checksum"] == single["checksum"]
+    assert single["weights"].keys() == two["weights"].keys() and single["hf"].keys() == two["hf"].keys()
+    for name, w in single["hf"].items():
+        torch.testing.assert_close(two["hf"][name], w, rtol=1e-5, atol=1e-7, msg=name)
     moved = 0
     for name, w in single["weights"].items():
         torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-7, msg=name)
