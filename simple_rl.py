@@ -30,7 +30,6 @@ How this GRPO departs from the paper (Shao et al., 2024):
    the reference policy's KL); at T = 1, the model's own distribution.
 """
 
-import copy
 import dataclasses
 import json
 import math
@@ -281,6 +280,15 @@ def validate(args: Args) -> Args:
          f"VLLM_BATCH_INVARIANT is {invariant or 'not set'}, so vLLM's logprobs cannot equal the trainer's: "
          "set VLLM_BATCH_INVARIANT=1, or pass --no-assert-bitwise to run anyway and report the mismatch"),
     ]
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
+    if world > 1:
+        checks += [
+            (args.prompts_per_step % world == 0,
+             f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {world} processes"),
+            (args.sft_batch_size % world == 0,
+             f"--sft-batch-size {args.sft_batch_size} must be a multiple of the {world} processes"),
+            (args.resume is None, "--resume is not supported under torchrun yet: resume on one GPU"),
+        ]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -695,12 +703,11 @@ TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_toke
 """Files of a checkpoint that belong to its tokenizer (and generation defaults): copied as they are."""
 
 
-def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path) -> None:
+def write_hf_checkpoint(weights: dict, source_dir: Path, directory: Path) -> None:
     """Config, safetensors and tokenizer files that transformers and vLLM load as they are."""
     config = json.loads((source_dir / "config.json").read_text())
-    config["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    config["torch_dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    weights = {k: v.contiguous().cpu() for k, v in hf_weights(model)}
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
     for f in source_dir.iterdir():
         if f.name.startswith(TOKENIZER_FILES):
@@ -879,18 +886,37 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def rank_share(n: int) -> slice:
+    """This rank's consecutive share of n items (n a multiple of the number of ranks)."""
+    rank, world = rank_and_world()
+    return slice(rank * n // world, (rank + 1) * n // world)
+
+
 def all_ranks_sum(x: torch.Tensor) -> torch.Tensor:
     """x summed over the ranks of a torchrun job; x itself in a single process."""
-    if dist.is_initialized():
-        x = x.clone()
-        dist.all_reduce(x)
-    return x
+    if not dist.is_initialized():
+        return x
+    y = x.to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y)
+    return y.to(x.device)
+
+
+def all_ranks_list(items: list) -> list:
+    """The concatenation, in rank order, of every rank's list (items pickled); the list in one process."""
+    if not dist.is_initialized():
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
 
 
 def trainer_checksum(model: Qwen3) -> int:
     """`weights_checksum` of the trainer's whole weights: a sum, so the sum of its shards' over all ranks."""
-    return int(all_ranks_sum(torch.tensor(weights_checksum(local(p) for p in model.parameters()),
-                                          device=model.cos_sin_cache.device)))
+    return int(all_ranks_sum(torch.tensor(weights_checksum(local(p) for p in model.parameters()))))
 
 
 # =============================================================================================
@@ -1056,7 +1082,9 @@ def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torc
         lens = torch.tensor([len(x) for x in vllm_logprobs]).cumsum(0)
         sample = int((lens <= flat).sum())
         token = flat - (int(lens[sample - 1]) if sample else 0)
-        first = (f"sample {sample} token {token} (id {tokens[sample][token]}): "
+        world = rank_and_world()[1]  # under torchrun the samples are every rank's, in rank order
+        where = f" (sampled on rank {sample * world // len(tokens)})" if world > 1 else ""
+        first = (f"sample {sample}{where} token {token} (id {tokens[sample][token]}): "
                  f"vLLM logprob {float(v[flat])!r} but trainer {float(t[flat])!r}; "
                  f"{mismatched} of {len(v)} sampled tokens differ")
     return metrics, "\n".join(lines if show else lines[-1:]), first
@@ -1134,14 +1162,37 @@ class Rollouts:
 
 
 def rollout(engine, tokenizer, rows: list[dict], args: Args, step: int, stop_ids) -> Rollouts:
-    """G samples of each question, each request with its own seed, scored by the GSM8K reward."""
+    """G samples of each question, each request with its own seed, scored by the GSM8K reward. Under
+    torchrun, this rank's share of the questions, with the seeds they have in the whole step."""
     G = args.samples_per_prompt
+    seeds = rollout_seeds(args.seed, step, len(rows) * G)
+    share = rank_share(len(rows))
+    rows, seeds = rows[share], seeds[share.start * G: share.stop * G]
     prompts = [r["prompt_ids"] for r in rows for _ in range(G)]
     completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), args.temperature,
-                                            rollout_seeds(args.seed, step, len(prompts)), stop_ids)
+                                            seeds, stop_ids)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards = torch.tensor([gsm8k_reward(text, rows[i // G]["answer"]) for i, text in enumerate(texts)])
     return Rollouts(prompts, completions, logprobs, rewards, group_advantages(rewards, G, args.std_normalize))
+
+
+def reference_policy(model: Qwen3) -> Qwen3:
+    """A frozen copy of the policy (for the KL term), sharded as the policy is."""
+    with torch.device(model.cos_sin_cache.device):
+        ref_model = Qwen3(model.args, model.kernels, model.tok_embeddings.weight.dtype).requires_grad_(False)
+    ref_model.load_state_dict(from_hf_state_dict(dict(hf_weights(model)), model.args))
+    return shard_model(ref_model) if dist.is_initialized() else ref_model
+
+
+def whole_step(rollouts: Rollouts, trainer_logprobs: list) -> tuple[Rollouts, list]:
+    """Every rank's samples of the step and their trainer logprobs, in rank order, which is the step's
+    sample order: under torchrun the parity check and the metrics see the whole step, as on one GPU."""
+    r = rollouts
+    samples = all_ranks_list(list(zip(r.prompts, r.completions, r.vllm_logprobs, r.rewards.tolist(),
+                                      r.advantages.tolist(), trainer_logprobs)))
+    prompts, completions, vllm_logprobs, rewards, advantages, trainer_logprobs = map(list, zip(*samples))
+    return Rollouts(prompts, completions, vllm_logprobs, torch.tensor(rewards), torch.tensor(advantages)), \
+        trainer_logprobs
 
 
 @torch.no_grad()
@@ -1206,9 +1257,10 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
 def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Args) -> float:
     """One supervised warm-start step: maximise the logprob of each reference answer after its
     prompt (teacher forcing, the very forward GRPO uses). Returns the mean token loss."""
-    device = model.tok_embeddings.weight.device
+    device = model.cos_sin_cache.device
+    rows = rows[rank_share(len(rows))]
     prompts, answers = [r["prompt_ids"] for r in rows], [r["answer_ids"] for r in rows]
-    n_tokens = sum(len(a) for a in answers)
+    n_tokens = int(all_ranks_sum(torch.tensor(sum(len(a) for a in answers))))
     total = 0.0
     for _, batch in packed_micro_batches(prompts, answers, args.max_tokens_per_microbatch, device):
         loss = -model(batch)[0].sum() / n_tokens
@@ -1216,7 +1268,7 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
         optimizer.accumulate_grads()
         total += float(loss.detach())
     optimizer.step(args.sft_lr, args.max_grad_norm)
-    return total
+    return float(all_ranks_sum(torch.tensor(total, dtype=torch.float64)))
 
 
 # =============================================================================================
@@ -1225,11 +1277,15 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
 
 
 def evaluate(engine, tokenizer, rows: list[dict], max_new_tokens: int, stop_token_ids) -> float:
-    """Greedy accuracy of the served policy on GSM8K test questions."""
+    """Greedy accuracy of the served policy on GSM8K test questions (under torchrun, each rank answers
+    its share)."""
+    n = len(rows)
+    rows = rows[rank_share(n)]
     completions, _ = engine.generate([r["prompt_ids"] for r in rows], [max_new_tokens] * len(rows), 0.0,
                                      [0] * len(rows), stop_token_ids)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-    return sum(gsm8k_reward(text, r["answer"]) for text, r in zip(texts, rows)) / len(rows)
+    correct = sum(gsm8k_reward(text, r["answer"]) for text, r in zip(texts, rows))
+    return float(all_ranks_sum(torch.tensor(correct, dtype=torch.float64))) / n
 
 
 # =============================================================================================
@@ -1246,6 +1302,19 @@ RUN_DEFINING_FLAGS = ("model", "dataset", "seed", "prompts_per_step", "samples_p
 the batch shape follow from them. Other flags (learning rate, --steps, ...) may change."""
 
 
+def write_training_state(directory: Path, optimizer: MasterWeights, ref_model, args: Args, step: int) -> None:
+    directory.mkdir()
+    state = {"masters": optimizer.masters, "optimizer": optimizer.optimizer.state_dict(),
+             "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state()
+    torch.save(state, directory / "state.pt")
+    if ref_model is not None:
+        reference = {k: v.contiguous().cpu() for k, v in hf_weights(ref_model)}
+        save_file(reference, directory / "reference.safetensors")
+    (directory / "run.json").write_text(json.dumps({"args": asdict(args), "step": step}, indent=2))
+
+
 def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, source_dir: Path, args: Args,
                     step: int) -> None:
     """<output_dir>/<run_name>/step_N after N GRPO steps: the Hugging Face checkpoint plus the training
@@ -1253,18 +1322,13 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, source_di
     step, from which the data order and the sampling seeds follow). Then only the newest --keep-last
     checkpoints are kept (and the one this run resumed from)."""
     out_dir = Path(args.output_dir) / args.run_name / f"step_{step:06d}"
+    weights = {k: v.contiguous().cpu() for k, v in hf_weights(model)}  # under torchrun, every rank gathers
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return  # rank 0 writes
     with atomic_directory(out_dir) as tmp:
-        write_hf_checkpoint(model, source_dir, tmp)
-        (tmp / RESUME_DIR).mkdir()
-        state = {"masters": optimizer.masters, "optimizer": optimizer.optimizer.state_dict(),
-                 "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda_rng"] = torch.cuda.get_rng_state()
-        torch.save(state, tmp / RESUME_DIR / "state.pt")
-        if ref_model is not None:
-            reference = {k: v.contiguous().cpu() for k, v in hf_weights(ref_model)}
-            save_file(reference, tmp / RESUME_DIR / "reference.safetensors")
-        (tmp / RESUME_DIR / "run.json").write_text(json.dumps({"args": asdict(args), "step": step}, indent=2))
+        write_hf_checkpoint(weights, source_dir, tmp)
+        if not dist.is_initialized():  # a sharded run's is not saved yet: no --resume under torchrun
+            write_training_state(tmp / RESUME_DIR, optimizer, ref_model, args, step)
     for stale in out_dir.parent.glob(".step_*"):  # what a run killed mid-save left
         shutil.rmtree(stale)
     if args.keep_last:
@@ -1420,18 +1484,25 @@ def warm_start(model: Qwen3, inputs: Inputs, order: list[int], args: Args) -> No
         answer = inputs.tokenizer.encode(prefix + r["answer"], add_special_tokens=False)
         r["answer_ids"] = answer + [inputs.tokenizer.eos_token_id or inputs.stop_ids[0]]
     optimizer = MasterWeights(model, args.sft_lr, args.weight_decay)
-    writer = SummaryWriter(str(Path("runs") / args.run_name / "warm_start"))
-    for step in tqdm(range(args.sft_steps), desc="warm start", unit="step", file=sys.stdout):
+    first = rank_and_world()[0] == 0  # logs for all ranks
+    writer = SummaryWriter(str(Path("runs") / args.run_name / "warm_start")) if first else None
+    for step in tqdm(range(args.sft_steps), desc="warm start", unit="step", file=sys.stdout,
+                     disable=not first):
         rows = step_rows(inputs.train_rows, order, step, args.sft_batch_size)
         loss = sft_step(model, optimizer, rows, args)
-        writer.add_scalar("sft/loss", loss, step)
-    writer.close()
+        if writer:
+            writer.add_scalar("sft/loss", loss, step)
+    if writer:
+        writer.close()
 
 
 def log_step(writer, step: int, scalars: dict, line: str) -> None:
-    """The one place a GRPO step is logged: TensorBoard scalars, and one line on the terminal."""
+    """The one place a GRPO step is logged: TensorBoard scalars, and one line on the terminal (by rank 0
+    alone under torchrun: the other ranks have no writer)."""
     from tqdm import tqdm
 
+    if writer is None:
+        return
     for key, value in scalars.items():
         writer.add_scalar(key, value, step)
     tqdm.write(line)
@@ -1463,12 +1534,13 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
 
     def log_eval(updates: int) -> None:  # logged at the number of GRPO updates made so far
         accuracy = evaluate(engine, inputs.tokenizer, inputs.eval_rows, args.max_new_tokens, inputs.stop_ids)
-        writer.add_scalar("eval/accuracy", accuracy, updates)
-        tqdm.write(f"after {updates} GRPO steps: greedy accuracy {accuracy:.3f} "
-                   f"on {len(inputs.eval_rows)} test questions")
+        if writer:
+            writer.add_scalar("eval/accuracy", accuracy, updates)
+            tqdm.write(f"after {updates} GRPO steps: greedy accuracy {accuracy:.3f} "
+                       f"on {len(inputs.eval_rows)} test questions")
 
     # The reference policy (for KL) is the policy GRPO starts from.
-    ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None
+    ref_model = reference_policy(model) if args.kl_coef > 0 else None
     optimizer = MasterWeights(model, args.lr, args.weight_decay)
     if inputs.start_step:
         restore_training_state(inputs.model_dir, optimizer, ref_model, args)
@@ -1477,7 +1549,8 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
     if args.eval_every and inputs.start_step % args.eval_every == 0:
         log_eval(inputs.start_step)
     steps = range(inputs.start_step, args.steps)
-    for step in tqdm(steps, desc="GRPO", unit="step", file=sys.stdout, initial=steps.start, total=args.steps):
+    for step in tqdm(steps, desc="GRPO", unit="step", file=sys.stdout, initial=steps.start, total=args.steps,
+                     disable=writer is None):
         times, memory = {}, {}
         with phase("generate", times, memory):
             rows = step_rows(inputs.train_rows, order, step, args.prompts_per_step)
@@ -1488,11 +1561,13 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
             if ref_model is not None:
                 ref_lps = reference_logprobs(ref_model, rollouts, args)
             loss_metrics, trainer_logprobs = train_on_rollouts(model, optimizer, rollouts, ref_lps, args)
+            rollouts, trainer_logprobs = whole_step(rollouts, trainer_logprobs)  # every rank's samples
             parity, report, first_mismatch = parity_report(rollouts.vllm_logprobs, trainer_logprobs,
                                                            rollouts.completions, args.parity_report_tokens)
             heading = f"step {step} parity (first tokens of sample 0):\n" if args.parity_report_tokens else ""
-            tqdm.write(heading + report)
-            if first_mismatch and args.assert_bitwise:
+            if writer:
+                tqdm.write(heading + report)
+            if first_mismatch and args.assert_bitwise:  # every rank sees it, every rank stops
                 log_step(writer, step, {f"parity/{k}": v for k, v in parity.items()}, "parity broken")
                 raise ParityError(f"step {step}: {first_mismatch}")  # before the update: weights as sampled
             lr = lr_at(step, args)
@@ -1509,7 +1584,8 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
         if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
             log_eval(step + 1)
         if (args.save_every and (step + 1) % args.save_every == 0) or last:
-            writer.flush()  # TensorBoard holds every step up to the checkpoint, should the run die after it
+            if writer:  # TensorBoard holds every step up to the checkpoint, should the run die after it
+                writer.flush()
             save_checkpoint(model, optimizer, ref_model, inputs.model_dir, args, step + 1)
 
 
@@ -1518,20 +1594,27 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
     try:
         args, inputs = load_inputs(validate(args))
         if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on one GPU")
+            raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
+        world = init_distributed(device)
         seed_everything(args.seed)
+        # Under torchrun, every rank runs its own engine on its own GPU, in its process: vLLM's external
+        # launcher, one data-parallel rank per process (the engines step together).
+        parallel = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world}
         # vLLM first: it claims --vllm-gpu-memory of a GPU that is still empty.
         engine = (engine_class or VLLMEngine)(inputs.model_dir, args.vllm_gpu_memory,
                                               args.max_prompt_tokens + args.max_new_tokens, args.seed,
-                                              cuda_graphs=args.vllm_cuda_graphs)
+                                              cuda_graphs=args.vllm_cuda_graphs,
+                                              **(parallel if world > 1 else {}))
         model = load_qwen3(inputs.model_dir, device, activation_checkpointing=args.activation_checkpointing)
+        if world > 1:
+            shard_model(model)
     except ValueError as e:
         raise UsageError(str(e)) from e
     served_checksum = engine.weights_checksum()
     if served_checksum != trainer_checksum(model):
         raise UsageError(f"vLLM serves other weights than the trainer loaded from {inputs.model_dir} "
                          "(is it a bf16 Qwen3 checkpoint?)")
-    writer = open_tensorboard(args, inputs.start_step)
+    writer = open_tensorboard(args, inputs.start_step) if rank_and_world()[0] == 0 else None  # rank 0 logs
     order = list(range(len(inputs.train_rows)))
     random.Random(args.seed).shuffle(order)
     if args.sft_steps and not args.resume:  # a resumed run's weights are warm already
@@ -1541,8 +1624,9 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
     try:
         grpo(args, engine, model, inputs, order, writer, served_checksum)
     finally:
-        writer.close()  # also on a parity error: the failing step's parity scalars reach the disk
-    return Path(writer.log_dir)
+        if writer:
+            writer.close()  # also on a parity error: the failing step's parity scalars reach the disk
+    return Path("runs") / args.run_name
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import qwen3_config, write_checkpoint
+from conftest import gsm8k_rows, qwen3_config, write_checkpoint, write_gsm8k_model, write_jsonl
 
 import simple_rl
 
@@ -94,3 +94,48 @@ def test_two_processes_make_the_update_of_one(tmp_path):
 
 def model_weight(model_dir, name: str) -> torch.Tensor:
     return dict(simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32).named_parameters())[name].detach()
+
+
+def main_worker(rank: int, world: int, port: int, workdir, flags: dict) -> None:
+    from test_rl import TrainerAsSampler
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    os.chdir(workdir)
+    simple_rl.main(simple_rl.Args(**flags), device="cpu", engine_class=TrainerAsSampler)
+    dist.destroy_process_group()
+
+
+def test_the_script_under_torchrun_samples_what_one_process_samples(tmp_path, monkeypatch):
+    """main() in 2 processes (each its own engine, half of each step's questions, a sharded trainer and
+    a sharded reference policy) against one process: the same rollouts and rewards at step 0, the same
+    losses and gradient norm within bf16 reduction tolerance; rank 0 alone logs and writes the
+    Hugging Face checkpoint (no training state: --resume is refused under torchrun)."""
+    from test_rl import TrainerAsSampler, scalar_series
+
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 40))
+    test = write_jsonl(tmp_path / "test.jsonl", gsm8k_rows("test", 10))
+    flags = dict(model=str(model_dir), dataset=str(train), eval_dataset=str(test), steps=2, prompts_per_step=4,
+                 samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400, max_tokens_per_microbatch=500,
+                 lr=1e-3, kl_coef=0.01, entropy_coef=0.01, eval_every=2, eval_samples=5, assert_bitwise=False,
+                 run_name="run")
+    for workdir in ("one", "two"):
+        (tmp_path / workdir).mkdir()
+    monkeypatch.chdir(tmp_path / "one")
+    simple_rl.main(simple_rl.Args(**flags), device="cpu", engine_class=TrainerAsSampler)
+    mp.spawn(main_worker, args=(2, free_port(), tmp_path / "two", flags), nprocs=2)
+
+    one, two = (scalar_series(tmp_path / d / "runs" / "run") for d in ("one", "two"))
+    assert one.keys() == two.keys()
+    # Step 0: the same samples, with the same logprobs (the sampler's perplexity is of every token).
+    for tag in ("reward/reward_mean", "reward/completion_tokens_mean", "parity/sampler_perplexity"):
+        assert one[tag][0] == two[tag][0], tag
+    assert one["eval/accuracy"][0] == two["eval/accuracy"][0]  # before training, 5 questions over 2 ranks
+    for tag in ("train/loss", "train/kl_div", "train/entropy", "train/grad_norm"):
+        (step, a), (_, b) = one[tag][0], two[tag][0]
+        assert step == 0 and abs(a - b) <= 2e-2 * max(abs(a), 1e-3), (tag, a, b)
+    assert one["train/grad_norm"][0][1] > 0 and one["train/grad_norm"][1][1] > 0
+    checkpoint = tmp_path / "two" / "checkpoints" / "run" / "step_000002"
+    assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / simple_rl.RESUME_DIR).exists()
+    assert simple_rl.load_qwen3(checkpoint, "cpu").args == simple_rl.load_qwen3(model_dir, "cpu").args

@@ -187,6 +187,8 @@ def test_bad_flags_give_one_line_errors(tmp_path):
         ([], {}, "VLLM_BATCH_INVARIANT is not set, so vLLM's logprobs cannot equal the trainer's"),
         ([], {"VLLM_BATCH_INVARIANT": "0"}, "VLLM_BATCH_INVARIANT is 0, so"),
         ([], {"VLLM_BATCH_INVARIANT": "true"}, "VLLM_BATCH_INVARIANT is 'true', but vLLM reads it as an integer"),
+        (["--prompts-per-step", "3"], ON | {"WORLD_SIZE": "2"}, "must be a multiple of the 2 processes"),
+        (["--resume", str(tmp_path)], ON | {"WORLD_SIZE": "2"}, "--resume is not supported under torchrun"),
     ]
     for flags, env, message in cases:
         assert message in one_line_error(run_script(*flags, env_update=env, cwd=tmp_path)), flags
@@ -285,8 +287,9 @@ class TrainerAsSampler:
     holds the script to vLLM's sleep-mode protocol: generate only when awake, push only into
     woken weights (their contents lost while asleep, as vLLM's level-2 sleep loses them)."""
 
-    def __init__(self, model_dir, gpu_memory_utilization, max_model_len, seed, cuda_graphs):
+    def __init__(self, model_dir, gpu_memory_utilization, max_model_len, seed, cuda_graphs, **vllm_args):
         self.model = simple_rl.load_qwen3(model_dir, "cpu")
+        self.vllm_args = vllm_args
         self.asleep, self.calls = set(), []
 
     def sleep(self):
@@ -326,7 +329,9 @@ class TrainerAsSampler:
     def push_weights(self, model):
         assert "weights" not in self.asleep, "push into sleeping weights"
         self.calls.append("push")
-        self.model.load_state_dict(model.state_dict())
+        # What vLLM's load_weights receives: Hugging Face names, weights gathered from every rank.
+        hf = dict(simple_rl.hf_weights(model))
+        self.model.load_state_dict(simple_rl.from_hf_state_dict(hf, self.model.args))
 
     def weights_checksum(self):
         return simple_rl.weights_checksum(self.model.parameters())
