@@ -369,7 +369,7 @@ def trainer_benchmark(args) -> dict:
         reference.zero_grad(set_to_none=True)
 
     def trainer_step():
-        logprobs, _ = simple_rl.token_logprobs(trainer, batch)
+        logprobs, _ = trainer(batch)
         logprobs.sum().backward()
         trainer.zero_grad(set_to_none=True)
 

@@ -30,7 +30,6 @@ How this GRPO departs from the paper (Shao et al., 2024):
    the reference policy's KL); at T = 1, the model's own distribution.
 """
 
-import copy
 import dataclasses
 import json
 import math
@@ -49,6 +48,7 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
@@ -284,6 +284,15 @@ def validate(args: Args) -> Args:
          f"VLLM_BATCH_INVARIANT is {invariant or 'not set'}, so vLLM's logprobs cannot equal the trainer's: "
          "set VLLM_BATCH_INVARIANT=1, or pass --no-assert-bitwise to run anyway and report the mismatch"),
     ]
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
+    if world > 1:
+        checks += [
+            (args.prompts_per_step % world == 0,
+             f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {world} processes"),
+            (args.sft_batch_size % world == 0,
+             f"--sft-batch-size {args.sft_batch_size} must be a multiple of the {world} processes"),
+            (args.resume is None, "--resume is not supported under torchrun yet: resume on one GPU"),
+        ]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -571,7 +580,17 @@ class Qwen3(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def forward(self, tokens, positions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+    def forward(self, batch: "PackedBatch", temperature: float = 1.0):
+        """(logprob (C,), entropy (C,)) in fp32 of every completion token of the packed batch under
+        softmax(z / temperature), computed as vLLM's sampler computes its processed logprobs: lm_head
+        on the rows that predict them (bf16 logits z), the fp32 logits divided by the temperature,
+        log_softmax. lm_head is part of the forward so that a sharded trainer gathers the (possibly
+        tied) embedding once, for the whole model."""
+        hidden = self.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        return self.kernels.lm_head_logprobs(hidden[batch.target_rows], self.output_weight, batch.targets,
+                                             temperature)
+
+    def hidden_states(self, tokens, positions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
         """Packed sequences (T,) -> final hidden states (T, dim)."""
         h, residual = F.embedding(tokens, self.tok_embeddings.weight), None
         for layer in self.layers:
@@ -598,20 +617,25 @@ def from_hf_state_dict(hf_state: dict, args: Qwen3ModelArgs) -> dict:
     return state
 
 
-def hf_state_dict(model: Qwen3) -> dict:
-    """The trainer's weights under Hugging Face names, as views (no copy): what vLLM's
-    `load_weights` and `save_file` take."""
+def hf_weights(model: Qwen3):
+    """Yields (Hugging Face name, tensor) for every weight of the trainer, one parameter at a time, as
+    views (no copy): what vLLM's `load_weights` and `save_file` take. A sharded weight is gathered from
+    all ranks first (so every rank must iterate, in the same order): one gathered weight at a time,
+    never a second whole copy of the model."""
     a = model.args
-    state = {name: p.detach() for name, p in model.named_parameters()}
-    for i in range(a.n_layers):
-        p = f"layers.{i}."
-        q, k, v = state.pop(f"{p}attention.wqkv.weight").split(
-            [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
-        )
-        state |= {f"{p}attention.wq.weight": q, f"{p}attention.wk.weight": k, f"{p}attention.wv.weight": v}
-        w1, w3 = state.pop(f"{p}feed_forward.w13.weight").chunk(2)
-        state |= {f"{p}feed_forward.w1.weight": w1, f"{p}feed_forward.w3.weight": w3}
-    return Qwen3StateDictAdapter(a, None).to_hf(state)
+    adapter = Qwen3StateDictAdapter(a, None)
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    for name, p in model.named_parameters():
+        p = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        prefix = name.rsplit(".", 2)[0] + "."  # layers.<i>.attention. / layers.<i>.feed_forward.
+        if name.endswith("attention.wqkv.weight"):
+            names = [prefix + "wq.weight", prefix + "wk.weight", prefix + "wv.weight"]
+            parts = dict(zip(names, p.split([q, kv, kv])))
+        elif name.endswith("feed_forward.w13.weight"):
+            parts = dict(zip([prefix + "w1.weight", prefix + "w3.weight"], p.chunk(2)))
+        else:
+            parts = {name: p}
+        yield from adapter.to_hf(parts).items()
 
 
 def check_checkpoint(model_dir: Path, args: Qwen3ModelArgs) -> None:
@@ -631,7 +655,7 @@ def check_checkpoint(model_dir: Path, args: Qwen3ModelArgs) -> None:
             raise ValueError(f"--model {model_dir}: {f.name} is not a whole safetensors file ({e}); "
                              "download or save it again") from None
     with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in hf_state_dict(Qwen3(args)).items()}
+        expected = {name: tuple(t.shape) for name, t in hf_weights(Qwen3(args))}
     if args.enable_weight_tying:
         shapes.pop("lm_head.weight", None)  # some tied checkpoints store the head too; it is the embedding
     problems = [f"missing {name}" for name in sorted(expected.keys() - shapes.keys())]
@@ -683,12 +707,11 @@ TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_toke
 """Files of a checkpoint that belong to its tokenizer (and generation defaults): copied as they are."""
 
 
-def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path) -> None:
+def write_hf_checkpoint(weights: dict, source_dir: Path, directory: Path) -> None:
     """Config, safetensors and tokenizer files that transformers and vLLM load as they are."""
     config = json.loads((source_dir / "config.json").read_text())
-    config["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    config["torch_dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    weights = {k: v.contiguous().cpu() for k, v in hf_state_dict(model).items()}
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
     for f in source_dir.iterdir():
         if f.name.startswith(TOKENIZER_FILES):
@@ -799,8 +822,7 @@ class VLLMEngine:
     def push_weights(self, model: Qwen3) -> None:
         """Copy the trainer's bf16 weights into the served model in-process, no disk: vLLM's own
         `load_weights` copies each HF-named tensor into its merged q/k/v and gate/up slots."""
-        weights = hf_state_dict(model)
-        self.llm.apply_model(lambda served: served.load_weights(iter(weights.items())))
+        self.llm.apply_model(lambda served: served.load_weights(hf_weights(model)))
 
     def weights_checksum(self) -> int:
         return self.llm.apply_model(lambda served: weights_checksum(served.parameters()))[0]
@@ -822,9 +844,83 @@ def sync_weights(engine, model: Qwen3, served_checksum: int, changed: bool) -> i
     engine.push_weights(model)
     engine.wake_up(["kv_cache"])
     checksum = engine.weights_checksum()
-    if checksum != weights_checksum(model.parameters()) or (changed and checksum == served_checksum):
+    if checksum != trainer_checksum(model) or (changed and checksum == served_checksum):
         raise RuntimeError(f"the weight push did not reach vLLM (checksum {served_checksum} -> {checksum})")
     return checksum
+
+
+# =============================================================================================
+# Several GPUs (torchrun): data parallel, FSDP2-sharded trainer
+# =============================================================================================
+
+
+def init_distributed(device: str) -> int:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on the CPU) and take
+    this rank's GPU. Returns the number of processes; with one, nothing is set up."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return world
+
+
+def shard_model(model: Qwen3) -> Qwen3:
+    """FSDP2 over all ranks: one unit per transformer block, and the root (embedding, final norm,
+    lm_head, which may share the embedding's weight). Each rank keeps 1/N of every weight; a unit's
+    weights are all-gathered for its forward and its backward, and its gradients reduce-scattered,
+    summed in fp32 (not averaged: the loss is divided by the token count of all ranks' samples)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = model.cos_sin_cache.device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for unit in (*model.layers, model):
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
+    return model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) weight or gradient; a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def rank_share(n: int) -> slice:
+    """This rank's consecutive share of n items (n a multiple of the number of ranks)."""
+    rank, world = rank_and_world()
+    return slice(rank * n // world, (rank + 1) * n // world)
+
+
+def all_ranks_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the ranks of a torchrun job; x itself in a single process."""
+    if not dist.is_initialized():
+        return x
+    y = x.to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y)
+    return y.to(x.device)
+
+
+def all_ranks_list(items: list) -> list:
+    """The concatenation, in rank order, of every rank's list (items pickled); the list in one process."""
+    if not dist.is_initialized():
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
+
+
+def trainer_checksum(model: Qwen3) -> int:
+    """`weights_checksum` of the trainer's whole weights: a sum, so the sum of its shards' over all ranks."""
+    return int(all_ranks_sum(torch.tensor(weights_checksum(local(p) for p in model.parameters()))))
 
 
 # =============================================================================================
@@ -883,20 +979,18 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
 
 
 def packed_micro_batches(prompts: list[list[int]], completions: list[list[int]], token_budget: int, device):
-    """Yields (sample indices, PackedBatch) over consecutive samples, each at most `token_budget` tokens."""
+    """Yields (sample indices, PackedBatch) over consecutive samples, each at most `token_budget` tokens;
+    under torchrun, as many on every rank: a sharded forward is a collective that all ranks run together."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    for idx in micro_batches(lengths, token_budget):
+    groups = micro_batches(lengths, token_budget)
+    if dist.is_initialized():
+        count = torch.tensor(len(groups), device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        while len(groups) < count:  # halve the group of most samples (the sums stay the same)
+            i = max(range(len(groups)), key=lambda j: len(groups[j]))
+            groups[i:i + 1] = [groups[i][: len(groups[i]) // 2], groups[i][len(groups[i]) // 2:]]
+    for idx in groups:
         yield idx, pack_sequences([prompts[i] for i in idx], [completions[i] for i in idx], device)
-
-
-def token_logprobs(model: Qwen3, batch: PackedBatch, temperature: float = 1.0):
-    """(logprob (C,), entropy (C,)) in fp32 of every completion token under softmax(z / temperature),
-    computed as vLLM's sampler computes its processed logprobs: lm_head on the rows that predict them
-    (bf16 logits z), the fp32 logits divided by the temperature, log_softmax; one chunk of rows at a
-    time (the full logits of a micro-batch never exist)."""
-    hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
-    rows = hidden[batch.target_rows]
-    return model.kernels.lm_head_logprobs(rows, model.output_weight, batch.targets, temperature)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool) -> torch.Tensor:
@@ -992,7 +1086,9 @@ def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torc
         lens = torch.tensor([len(x) for x in vllm_logprobs]).cumsum(0)
         sample = int((lens <= flat).sum())
         token = flat - (int(lens[sample - 1]) if sample else 0)
-        first = (f"sample {sample} token {token} (id {tokens[sample][token]}): "
+        world = rank_and_world()[1]  # under torchrun the samples are every rank's, in rank order
+        where = f" (sampled on rank {sample * world // len(tokens)})" if world > 1 else ""
+        first = (f"sample {sample}{where} token {token} (id {tokens[sample][token]}): "
                  f"vLLM logprob {float(v[flat])!r} but trainer {float(t[flat])!r}; "
                  f"{mismatched} of {len(v)} sampled tokens differ", sample, token)
     return metrics, "\n".join(lines if show else lines[-1:]), first
@@ -1035,11 +1131,13 @@ def trainer_trace(model: Qwen3, tokens: list[int]) -> dict:
     for m, kernels in originals.items():
         m.kernels = Kernels(*(recorded(getattr(kernels, k.name)) for k in dataclasses.fields(Kernels)))
     try:
-        batch = pack_sequences([tokens], [[]], model.cos_sin_cache.device)
-        model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        # The model's own forward (a sharded model gathers its weights for it), over all the tokens.
+        model(pack_sequences([tokens[:-1]], [tokens[-1:]], model.cos_sin_cache.device))
     finally:
         for m, kernels in originals.items():
             m.kernels = kernels
+    if hasattr(model, "reshard"):  # FSDP keeps the root's weights gathered for a backward; none follows
+        model.reshard()
     trace, n = {}, len(BLOCK_KERNELS)
     for layer in range(model.args.n_layers):
         block = calls[layer * n: (layer + 1) * n]
@@ -1047,7 +1145,9 @@ def trainer_trace(model: Qwen3, tokens: list[int]) -> dict:
         trace[layer, "residual_in"], trace[layer, "residual"] = as_rows(block[0][0]), as_rows(block[7][0])
     final_residual, final_norm = calls[model.args.n_layers * n]
     trace[None, "final_residual"], trace[None, "final_norm"] = as_rows(final_residual), as_rows(final_norm)
-    trace[None, "logits"] = as_rows(model.kernels.linear(final_norm[-1:], model.output_weight))
+    weight = model.output_weight
+    weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # sharded: all of it
+    trace[None, "logits"] = as_rows(model.kernels.linear(final_norm[-1:], weight))
     return trace
 
 
@@ -1151,20 +1251,22 @@ class MasterWeights:
     def step(self, lr: float, max_grad_norm: float) -> tuple[float, dict]:
         """Clip, step, write back. Returns the pre-clip gradient norm and, per layer, the L2 norm
         of the bf16 weight change and that norm relative to the layer's weights."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.masters, max_grad_norm)
+        grad_norm = torch.nn.utils.get_total_norm([master.grad for master in self.masters])
+        if hasattr(grad_norm, "full_tensor"):  # sharded: this rank's part of the norm; all ranks' is
+            grad_norm = grad_norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(self.masters, max_grad_norm, grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # the fp32 gradients free their memory until next step
-        change, size = {}, {}
+        squares = {}  # per layer: (squared norm of the change, squared norm of the weights), this rank's
         for master, (name, p) in zip(self.masters, self.named):
-            new = master.to(p.dtype)
+            new, old = local(master).to(p.dtype).float(), local(p).float()
             layer = layer_of(name)
-            change[layer] = change.get(layer, 0) + (new.float() - p.float()).pow(2).sum()
-            size[layer] = size.get(layer, 0) + p.float().pow(2).sum()
-            p.copy_(new)
-        deltas = {layer: (float(change[layer].sqrt()), float(change[layer].sqrt() / size[layer].sqrt()))
-                  for layer in change}
+            squares[layer] = squares.get(layer, 0) + torch.stack([(new - old).pow(2).sum(), old.pow(2).sum()])
+            p.copy_(master.to(p.dtype))
+        totals = all_ranks_sum(torch.stack(list(squares.values()))).sqrt().tolist()
+        deltas = {layer: (change, change / size) for layer, (change, size) in zip(squares, totals)}
         return float(grad_norm), deltas
 
 
@@ -1180,14 +1282,37 @@ class Rollouts:
 
 
 def rollout(engine, tokenizer, rows: list[dict], args: Args, step: int, stop_ids) -> Rollouts:
-    """G samples of each question, each request with its own seed, scored by the GSM8K reward."""
+    """G samples of each question, each request with its own seed, scored by the GSM8K reward. Under
+    torchrun, this rank's share of the questions, with the seeds they have in the whole step."""
     G = args.samples_per_prompt
+    seeds = rollout_seeds(args.seed, step, len(rows) * G)
+    share = rank_share(len(rows))
+    rows, seeds = rows[share], seeds[share.start * G: share.stop * G]
     prompts = [r["prompt_ids"] for r in rows for _ in range(G)]
     completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), args.temperature,
-                                            rollout_seeds(args.seed, step, len(prompts)), stop_ids)
+                                            seeds, stop_ids)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards = torch.tensor([gsm8k_reward(text, rows[i // G]["answer"]) for i, text in enumerate(texts)])
     return Rollouts(prompts, completions, logprobs, rewards, group_advantages(rewards, G, args.std_normalize))
+
+
+def reference_policy(model: Qwen3) -> Qwen3:
+    """A frozen copy of the policy (for the KL term), sharded as the policy is."""
+    with torch.device(model.cos_sin_cache.device):
+        ref_model = Qwen3(model.args, model.kernels, model.tok_embeddings.weight.dtype).requires_grad_(False)
+    ref_model.load_state_dict(from_hf_state_dict(dict(hf_weights(model)), model.args))
+    return shard_model(ref_model) if dist.is_initialized() else ref_model
+
+
+def whole_step(rollouts: Rollouts, trainer_logprobs: list) -> tuple[Rollouts, list]:
+    """Every rank's samples of the step and their trainer logprobs, in rank order, which is the step's
+    sample order: under torchrun the parity check and the metrics see the whole step, as on one GPU."""
+    r = rollouts
+    samples = all_ranks_list(list(zip(r.prompts, r.completions, r.vllm_logprobs, r.rewards.tolist(),
+                                      r.advantages.tolist(), trainer_logprobs)))
+    prompts, completions, vllm_logprobs, rewards, advantages, trainer_logprobs = map(list, zip(*samples))
+    return Rollouts(prompts, completions, vllm_logprobs, torch.tensor(rewards), torch.tensor(advantages)), \
+        trainer_logprobs
 
 
 @torch.no_grad()
@@ -1198,7 +1323,7 @@ def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, args: Args) -> list
     device = ref_model.tok_embeddings.weight.device
     token_budget = args.max_tokens_per_microbatch
     for _, batch in packed_micro_batches(rollouts.prompts, rollouts.completions, token_budget, device):
-        out += token_logprobs(ref_model, batch, args.temperature)[0].split(batch.completion_lens)
+        out += ref_model(batch, args.temperature)[0].split(batch.completion_lens)
     return out
 
 
@@ -1206,14 +1331,14 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     """Forward + backward over all rollouts in micro-batches (gradients accumulated in fp32).
     The training forward's logprobs are also the ones checked against vLLM: parity costs no extra
     forward. Returns per-token means of the loss terms and the trainer's logprobs per sample."""
-    device = model.tok_embeddings.weight.device
-    n_tokens = sum(len(c) for c in rollouts.completions)
+    device = model.cos_sin_cache.device
+    n_tokens = int(all_ranks_sum(torch.tensor(sum(len(c) for c in rollouts.completions), device=device)))
     names = ("loss", "pg_loss", "kl_div", "entropy", "ratio_mean", "ratio_clipped_frac",
              "correction_weight_mean", "correction_cut_frac", "correction_weight_sq")
     sums, logprobs_all = [], []  # per micro-batch, kept on the GPU
     token_budget = args.max_tokens_per_microbatch
     for idx, batch in packed_micro_batches(rollouts.prompts, rollouts.completions, token_budget, device):
-        logprobs, entropy = token_logprobs(model, batch, args.temperature)  # (C,), (C,)
+        logprobs, entropy = model(batch, args.temperature)  # (C,), (C,)
         lens = torch.tensor(batch.completion_lens, device=device)
         advantages = rollouts.advantages[idx].to(device).repeat_interleave(lens)  # a sample's on each token
         rollout_lp = torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)
@@ -1239,7 +1364,8 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     # One copy to the host for the whole step (a sync per micro-batch would stall the GPU); the
     # division happens there, exactly: CUDA divides by a scalar through its reciprocal, which would
     # turn a ratio sum of exactly n_tokens into a mean one ulp below 1.
-    metrics = {name: total / n_tokens for name, total in zip(names, torch.stack(sums).sum(0).tolist())}
+    totals = all_ranks_sum(torch.stack(sums).sum(0)).tolist()
+    metrics = {name: total / n_tokens for name, total in zip(names, totals)}
     # Effective sample size of the weights, as a fraction of the tokens: 1 when all are equal.
     weight_sq = metrics.pop("correction_weight_sq")
     metrics["correction_ess"] = metrics["correction_weight_mean"] ** 2 / weight_sq if weight_sq else 0.0
@@ -1251,17 +1377,18 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
 def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Args) -> float:
     """One supervised warm-start step: maximise the logprob of each reference answer after its
     prompt (teacher forcing, the very forward GRPO uses). Returns the mean token loss."""
-    device = model.tok_embeddings.weight.device
+    device = model.cos_sin_cache.device
+    rows = rows[rank_share(len(rows))]
     prompts, answers = [r["prompt_ids"] for r in rows], [r["answer_ids"] for r in rows]
-    n_tokens = sum(len(a) for a in answers)
+    n_tokens = int(all_ranks_sum(torch.tensor(sum(len(a) for a in answers))))
     total = 0.0
     for _, batch in packed_micro_batches(prompts, answers, args.max_tokens_per_microbatch, device):
-        loss = -token_logprobs(model, batch)[0].sum() / n_tokens
+        loss = -model(batch)[0].sum() / n_tokens
         loss.backward()
         optimizer.accumulate_grads()
         total += float(loss.detach())
     optimizer.step(args.sft_lr, args.max_grad_norm)
-    return total
+    return float(all_ranks_sum(torch.tensor(total, dtype=torch.float64)))
 
 
 # =============================================================================================
@@ -1270,11 +1397,15 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
 
 
 def evaluate(engine, tokenizer, rows: list[dict], max_new_tokens: int, stop_token_ids) -> float:
-    """Greedy accuracy of the served policy on GSM8K test questions."""
+    """Greedy accuracy of the served policy on GSM8K test questions (under torchrun, each rank answers
+    its share)."""
+    n = len(rows)
+    rows = rows[rank_share(n)]
     completions, _ = engine.generate([r["prompt_ids"] for r in rows], [max_new_tokens] * len(rows), 0.0,
                                      [0] * len(rows), stop_token_ids)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-    return sum(gsm8k_reward(text, r["answer"]) for text, r in zip(texts, rows)) / len(rows)
+    correct = sum(gsm8k_reward(text, r["answer"]) for text, r in zip(texts, rows))
+    return float(all_ranks_sum(torch.tensor(correct, dtype=torch.float64))) / n
 
 
 # =============================================================================================
@@ -1291,6 +1422,19 @@ RUN_DEFINING_FLAGS = ("model", "dataset", "seed", "prompts_per_step", "samples_p
 the batch shape follow from them. Other flags (learning rate, --steps, ...) may change."""
 
 
+def write_training_state(directory: Path, optimizer: MasterWeights, ref_model, args: Args, step: int) -> None:
+    directory.mkdir()
+    state = {"masters": optimizer.masters, "optimizer": optimizer.optimizer.state_dict(),
+             "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state()
+    torch.save(state, directory / "state.pt")
+    if ref_model is not None:
+        reference = {k: v.contiguous().cpu() for k, v in hf_weights(ref_model)}
+        save_file(reference, directory / "reference.safetensors")
+    (directory / "run.json").write_text(json.dumps({"args": asdict(args), "step": step}, indent=2))
+
+
 def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, source_dir: Path, args: Args,
                     step: int) -> None:
     """<output_dir>/<run_name>/step_N after N GRPO steps: the Hugging Face checkpoint plus the training
@@ -1298,18 +1442,13 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, source_di
     step, from which the data order and the sampling seeds follow). Then only the newest --keep-last
     checkpoints are kept (and the one this run resumed from)."""
     out_dir = Path(args.output_dir) / args.run_name / f"step_{step:06d}"
+    weights = {k: v.contiguous().cpu() for k, v in hf_weights(model)}  # under torchrun, every rank gathers
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return  # rank 0 writes
     with atomic_directory(out_dir) as tmp:
-        write_hf_checkpoint(model, source_dir, tmp)
-        (tmp / RESUME_DIR).mkdir()
-        state = {"masters": optimizer.masters, "optimizer": optimizer.optimizer.state_dict(),
-                 "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda_rng"] = torch.cuda.get_rng_state()
-        torch.save(state, tmp / RESUME_DIR / "state.pt")
-        if ref_model is not None:
-            reference = {k: v.contiguous().cpu() for k, v in hf_state_dict(ref_model).items()}
-            save_file(reference, tmp / RESUME_DIR / "reference.safetensors")
-        (tmp / RESUME_DIR / "run.json").write_text(json.dumps({"args": asdict(args), "step": step}, indent=2))
+        write_hf_checkpoint(weights, source_dir, tmp)
+        if not dist.is_initialized():  # a sharded run's is not saved yet: no --resume under torchrun
+            write_training_state(tmp / RESUME_DIR, optimizer, ref_model, args, step)
     for stale in out_dir.parent.glob(".step_*"):  # what a run killed mid-save left
         shutil.rmtree(stale)
     if args.keep_last:
@@ -1465,18 +1604,25 @@ def warm_start(model: Qwen3, inputs: Inputs, order: list[int], args: Args) -> No
         answer = inputs.tokenizer.encode(prefix + r["answer"], add_special_tokens=False)
         r["answer_ids"] = answer + [inputs.tokenizer.eos_token_id or inputs.stop_ids[0]]
     optimizer = MasterWeights(model, args.sft_lr, args.weight_decay)
-    writer = SummaryWriter(str(Path("runs") / args.run_name / "warm_start"))
-    for step in tqdm(range(args.sft_steps), desc="warm start", unit="step", file=sys.stdout):
+    first = rank_and_world()[0] == 0  # logs for all ranks
+    writer = SummaryWriter(str(Path("runs") / args.run_name / "warm_start")) if first else None
+    for step in tqdm(range(args.sft_steps), desc="warm start", unit="step", file=sys.stdout,
+                     disable=not first):
         rows = step_rows(inputs.train_rows, order, step, args.sft_batch_size)
         loss = sft_step(model, optimizer, rows, args)
-        writer.add_scalar("sft/loss", loss, step)
-    writer.close()
+        if writer:
+            writer.add_scalar("sft/loss", loss, step)
+    if writer:
+        writer.close()
 
 
 def log_step(writer, step: int, scalars: dict, line: str) -> None:
-    """The one place a GRPO step is logged: TensorBoard scalars, and one line on the terminal."""
+    """The one place a GRPO step is logged: TensorBoard scalars, and one line on the terminal (by rank 0
+    alone under torchrun: the other ranks have no writer)."""
     from tqdm import tqdm
 
+    if writer is None:
+        return
     for key, value in scalars.items():
         writer.add_scalar(key, value, step)
     tqdm.write(line)
@@ -1512,7 +1658,8 @@ def check_parity(engine, model: Qwen3, rollouts: Rollouts, trainer_logprobs: lis
     parity, report, first = parity_report(rollouts.vllm_logprobs, trainer_logprobs, rollouts.completions,
                                           args.parity_report_tokens)
     heading = f"step {step} parity (first tokens of sample 0):\n" if args.parity_report_tokens else ""
-    tqdm.write(heading + report)
+    if writer:  # rank 0 prints; every rank sees the same whole step, so all locate and stop together
+        tqdm.write(heading + report)
     if first and (args.assert_bitwise or args.locate_divergence):
         message, sample, token = first
         served_checksum = sync_weights(engine, model, served_checksum, changed=False)
@@ -1522,7 +1669,8 @@ def check_parity(engine, model: Qwen3, rollouts: Rollouts, trainer_logprobs: lis
         if args.assert_bitwise:
             log_step(writer, step, {f"parity/{k}": v for k, v in parity.items()}, "parity broken")
             raise ParityError(message)
-        tqdm.write(message)
+        if writer:
+            tqdm.write(message)
         engine.sleep()  # the trainer goes on
     return parity, served_checksum
 
@@ -1534,12 +1682,13 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
 
     def log_eval(updates: int) -> None:  # logged at the number of GRPO updates made so far
         accuracy = evaluate(engine, inputs.tokenizer, inputs.eval_rows, args.max_new_tokens, inputs.stop_ids)
-        writer.add_scalar("eval/accuracy", accuracy, updates)
-        tqdm.write(f"after {updates} GRPO steps: greedy accuracy {accuracy:.3f} "
-                   f"on {len(inputs.eval_rows)} test questions")
+        if writer:
+            writer.add_scalar("eval/accuracy", accuracy, updates)
+            tqdm.write(f"after {updates} GRPO steps: greedy accuracy {accuracy:.3f} "
+                       f"on {len(inputs.eval_rows)} test questions")
 
     # The reference policy (for KL) is the policy GRPO starts from.
-    ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None
+    ref_model = reference_policy(model) if args.kl_coef > 0 else None
     optimizer = MasterWeights(model, args.lr, args.weight_decay)
     if inputs.start_step:
         restore_training_state(inputs.model_dir, optimizer, ref_model, args)
@@ -1548,7 +1697,8 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
     if args.eval_every and inputs.start_step % args.eval_every == 0:
         log_eval(inputs.start_step)
     steps = range(inputs.start_step, args.steps)
-    for step in tqdm(steps, desc="GRPO", unit="step", file=sys.stdout, initial=steps.start, total=args.steps):
+    for step in tqdm(steps, desc="GRPO", unit="step", file=sys.stdout, initial=steps.start, total=args.steps,
+                     disable=writer is None):
         times, memory = {}, {}
         with phase("generate", times, memory):
             rows = step_rows(inputs.train_rows, order, step, args.prompts_per_step)
@@ -1559,6 +1709,7 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
             if ref_model is not None:
                 ref_lps = reference_logprobs(ref_model, rollouts, args)
             loss_metrics, trainer_logprobs = train_on_rollouts(model, optimizer, rollouts, ref_lps, args)
+            rollouts, trainer_logprobs = whole_step(rollouts, trainer_logprobs)  # every rank's samples
             parity, served_checksum = check_parity(engine, model, rollouts, trainer_logprobs, served_checksum,
                                                    args, step, writer)
             lr = lr_at(step, args)
@@ -1575,7 +1726,8 @@ def grpo(args: Args, engine, model: Qwen3, inputs: Inputs, order: list[int], wri
         if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
             log_eval(step + 1)
         if (args.save_every and (step + 1) % args.save_every == 0) or last:
-            writer.flush()  # TensorBoard holds every step up to the checkpoint, should the run die after it
+            if writer:  # TensorBoard holds every step up to the checkpoint, should the run die after it
+                writer.flush()
             save_checkpoint(model, optimizer, ref_model, inputs.model_dir, args, step + 1)
 
 
@@ -1584,20 +1736,27 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
     try:
         args, inputs = load_inputs(validate(args))
         if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on one GPU")
+            raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
+        world = init_distributed(device)
         seed_everything(args.seed)
+        # Under torchrun, every rank runs its own engine on its own GPU, in its process: vLLM's external
+        # launcher, one data-parallel rank per process (the engines step together).
+        parallel = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world}
         # vLLM first: it claims --vllm-gpu-memory of a GPU that is still empty.
         engine = (engine_class or VLLMEngine)(inputs.model_dir, args.vllm_gpu_memory,
                                               args.max_prompt_tokens + args.max_new_tokens, args.seed,
-                                              cuda_graphs=args.vllm_cuda_graphs)
+                                              cuda_graphs=args.vllm_cuda_graphs,
+                                              **(parallel if world > 1 else {}))
         model = load_qwen3(inputs.model_dir, device, activation_checkpointing=args.activation_checkpointing)
+        if world > 1:
+            shard_model(model)
     except ValueError as e:
         raise UsageError(str(e)) from e
     served_checksum = engine.weights_checksum()
-    if served_checksum != weights_checksum(model.parameters()):
+    if served_checksum != trainer_checksum(model):
         raise UsageError(f"vLLM serves other weights than the trainer loaded from {inputs.model_dir} "
                          "(is it a bf16 Qwen3 checkpoint?)")
-    writer = open_tensorboard(args, inputs.start_step)
+    writer = open_tensorboard(args, inputs.start_step) if rank_and_world()[0] == 0 else None  # rank 0 logs
     order = list(range(len(inputs.train_rows)))
     random.Random(args.seed).shuffle(order)
     if args.sft_steps and not args.resume:  # a resumed run's weights are warm already
@@ -1607,8 +1766,9 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
     try:
         grpo(args, engine, model, inputs, order, writer, served_checksum)
     finally:
-        writer.close()  # also on a parity error: the failing step's parity scalars reach the disk
-    return Path(writer.log_dir)
+        if writer:
+            writer.close()  # also on a parity error: the failing step's parity scalars reach the disk
+    return Path("runs") / args.run_name
 
 
 if __name__ == "__main__":

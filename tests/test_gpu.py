@@ -62,7 +62,7 @@ def trainer_logprobs(model, prompts, completions, order, token_budget, temperatu
         size = sum(len(prompts[j]) + len(completions[j]) for j in batch)
         if batch and (i is None or size + len(prompts[i]) + len(completions[i]) > token_budget):
             packed = simple_rl.pack_sequences([prompts[j] for j in batch], [completions[j] for j in batch], "cuda")
-            logprobs, _ = simple_rl.token_logprobs(model, packed, temperature)
+            logprobs, _ = model(packed, temperature)
             for j, lp in zip(batch, logprobs.split(packed.completion_lens)):
                 out[j] = lp.cpu()
             batch = []
@@ -221,7 +221,7 @@ def test_gradients_match_autograd_within_bf16_tolerance(served):
             m = simple_rl.Qwen3(args, kernels, dtype)
         m.load_state_dict(weights)
         batch = simple_rl.pack_sequences([s[:10] for s in seqs], [s[10:] for s in seqs], "cuda")
-        logprobs, entropy = simple_rl.token_logprobs(m, batch)
+        logprobs, entropy = m(batch)
         (logprobs.sum() / len(logprobs) + 0.01 * entropy.mean()).backward()
         grads[label] = {n: p.grad for n, p in m.named_parameters()}
     for n in grads["fp32"]:

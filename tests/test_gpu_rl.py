@@ -85,7 +85,7 @@ def test_rl_run_is_bitwise_every_step_and_its_checkpoint_loads(tmp_path):
     completions, vllm_lps = engine.generate(prompts, [128] * 300, 1.0, list(range(300)), ignore_eos=True)
     with torch.no_grad():
         batch = simple_rl.pack_sequences(prompts, completions, "cuda")
-        ours = simple_rl.token_logprobs(model, batch)[0].cpu()
+        ours = model(batch)[0].cpu()
     assert torch.equal(ours.view(torch.int32), torch.cat(vllm_lps).view(torch.int32))
 
     # ... and transformers loads it as the same model. Compared in fp32 on the CPU: in this process

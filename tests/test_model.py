@@ -42,7 +42,7 @@ def test_logits_match_transformers(name, kernels, tmp_path):
     # Every token but each sequence's first as a "completion": logits at every position.
     batch = simple_rl.pack_sequences([s[:1] for s in seqs], [s[1:] for s in seqs], "cpu")
     with torch.no_grad():
-        hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
         logits = torch.nn.functional.linear(hidden, model.output_weight)
         bounds = batch.cu_seqlens.tolist()
         for seq, start, end in zip(seqs, bounds, bounds[1:]):
@@ -55,7 +55,7 @@ def test_hf_round_trip_is_exact(name, tmp_path):
     src = write_checkpoint(tmp_path / "src", CONFIGS[name], seed=3)
     model = simple_rl.load_qwen3(src, "cpu")
     (tmp_path / "out").mkdir()
-    simple_rl.write_hf_checkpoint(model, src, tmp_path / "out")
+    simple_rl.write_hf_checkpoint({k: v.contiguous() for k, v in simple_rl.hf_weights(model)}, src, tmp_path / "out")
     before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert before.keys() == after.keys()
     for key in before:
@@ -75,7 +75,7 @@ def test_token_logprobs_and_gradients_match_reference(tmp_path):
         model = simple_rl.Qwen3(args, kernels, dtype=torch.float64)
         model.load_state_dict(weights)
         batch = simple_rl.pack_sequences([s[:4] for s in seqs], [s[4:] for s in seqs], "cpu")
-        logprobs, entropy = simple_rl.token_logprobs(model, batch)
+        logprobs, entropy = model(batch)
         (logprobs.sum() + 0.1 * entropy.sum()).backward()
         results.append((logprobs, entropy, {n: p.grad for n, p in model.named_parameters()}))
     (lp, ent, grads), (lp_ref, ent_ref, grads_ref) = results

@@ -224,6 +224,8 @@ def test_bad_flags_give_one_line_errors(tmp_path):
         ([], {}, "VLLM_BATCH_INVARIANT is not set, so vLLM's logprobs cannot equal the trainer's"),
         ([], {"VLLM_BATCH_INVARIANT": "0"}, "VLLM_BATCH_INVARIANT is 0, so"),
         ([], {"VLLM_BATCH_INVARIANT": "true"}, "VLLM_BATCH_INVARIANT is 'true', but vLLM reads it as an integer"),
+        (["--prompts-per-step", "3"], ON | {"WORLD_SIZE": "2"}, "must be a multiple of the 2 processes"),
+        (["--resume", str(tmp_path)], ON | {"WORLD_SIZE": "2"}, "--resume is not supported under torchrun"),
     ]
     for flags, env, message in cases:
         assert message in one_line_error(run_script(*flags, env_update=env, cwd=tmp_path)), flags
@@ -322,8 +324,9 @@ class TrainerAsSampler:
     holds the script to vLLM's sleep-mode protocol: generate only when awake, push only into
     woken weights (their contents lost while asleep, as vLLM's level-2 sleep loses them)."""
 
-    def __init__(self, model_dir, gpu_memory_utilization, max_model_len, seed, cuda_graphs):
+    def __init__(self, model_dir, gpu_memory_utilization, max_model_len, seed, cuda_graphs, **vllm_args):
         self.model = simple_rl.load_qwen3(model_dir, "cpu")
+        self.vllm_args = vllm_args
         self.asleep, self.calls = set(), []
 
     def sleep(self):
@@ -350,20 +353,22 @@ class TrainerAsSampler:
             completion = []
             while len(completion) < n and not (completion and completion[-1] in stop_token_ids):
                 batch = simple_rl.pack_sequences([prompt + completion], [[]], "cpu")
-                hidden = self.model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+                hidden = self.model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
                 logits = hidden[-1].float() @ self.model.output_weight.float().t()
                 probs = torch.softmax(logits / max(temperature, 1e-6), -1)
                 completion.append(int(torch.multinomial(probs, 1, generator=g)) if temperature else int(logits.argmax()))
             completions.append(completion)
             batch = simple_rl.pack_sequences([prompt], [completion], "cpu")
             # vLLM's processed logprobs: of the tempered distribution (a greedy request's at T = 1).
-            logprobs.append(simple_rl.token_logprobs(self.model, batch, temperature or 1.0)[0])
+            logprobs.append(self.model(batch, temperature or 1.0)[0])
         return completions, logprobs
 
     def push_weights(self, model):
         assert "weights" not in self.asleep, "push into sleeping weights"
         self.calls.append("push")
-        self.model.load_state_dict(model.state_dict())
+        # What vLLM's load_weights receives: Hugging Face names, weights gathered from every rank.
+        hf = dict(simple_rl.hf_weights(model))
+        self.model.load_state_dict(simple_rl.from_hf_state_dict(hf, self.model.args))
 
     def weights_checksum(self):
         return simple_rl.weights_checksum(self.model.parameters())
@@ -596,7 +601,7 @@ def test_corrections_weight_the_policy_gradient(tmp_path):
     completions = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 6, 2, 5)]
     with torch.no_grad():  # the sampler's logprobs, from one micro-batch as the trainer packs them
         batch = simple_rl.pack_sequences(prompts, completions, "cpu")
-        same = list(simple_rl.token_logprobs(model, batch)[0].split(batch.completion_lens))
+        same = list(model(batch)[0].split(batch.completion_lens))
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
 
     def step(config, sampler_logprobs):
@@ -645,10 +650,10 @@ def test_the_trainer_optimises_the_tempered_policy(tmp_path):
     completions = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 3)]
     batch = simple_rl.pack_sequences(prompts, completions, "cpu")
     with torch.no_grad():
-        hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)[batch.target_rows]
+        hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)[batch.target_rows]
         z = torch.nn.functional.linear(hidden, model.output_weight)
         by_hand = torch.log_softmax(z / 0.7, dim=-1).gather(-1, batch.targets[:, None]).squeeze(-1)
-        torch.testing.assert_close(simple_rl.token_logprobs(model, batch, 0.7)[0], by_hand, rtol=0, atol=1e-12)
+        torch.testing.assert_close(model(batch, 0.7)[0], by_hand, rtol=0, atol=1e-12)
     rewards = torch.tensor([1.0, 0.0])
     rollouts = simple_rl.Rollouts(prompts, completions, list(by_hand.split(batch.completion_lens)), rewards,
                                   simple_rl.group_advantages(rewards, 2, True))
