@@ -1665,7 +1665,11 @@ def check_parity(engine, model: Qwen3, rollouts: Rollouts, trainer_logprobs: lis
         served_checksum = sync_weights(engine, model, served_checksum, changed=False)
         # The sequence up to the mismatching token: its last row's logits predict that token.
         tokens = rollouts.prompts[sample] + rollouts.completions[sample][:token]
-        message = f"step {step}: {message}; first divergence: {locate_divergence(engine, model, tokens)}"
+        try:
+            where = locate_divergence(engine, model, tokens)
+        except Exception as e:  # a diagnostic must not hide the error it diagnoses
+            where = f"not found, the locator failed ({type(e).__name__}: {e})"
+        message = f"step {step}: {message}; first divergence: {where}"
         if args.assert_bitwise:
             log_step(writer, step, {f"parity/{k}": v for k, v in parity.items()}, "parity broken")
             raise ParityError(message)

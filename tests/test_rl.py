@@ -424,6 +424,41 @@ def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert not torch.equal(trained.tok_embeddings.weight, simple_rl.load_qwen3(model_dir, "cpu").tok_embeddings.weight)
 
 
+def test_a_parity_abort_names_the_first_mismatch_before_any_update(tmp_path, monkeypatch):
+    """One sampled logprob one ulp off: the run stops in step 0 before the optimizer step, naming the
+    sample and token, with the parity scalars logged. The locator needs vLLM's modules, which the test
+    engine lacks: its failure is reported in the message and does not hide the parity error."""
+    from safetensors.torch import load_file
+
+    pushed = []
+
+    class OneUlpOff(TrainerAsSampler):
+        def generate(self, *args, **kwargs):
+            completions, logprobs = super().generate(*args, **kwargs)
+            logprobs[1][0] = torch.nextafter(logprobs[1][0], torch.tensor(0.0))
+            return completions, logprobs
+
+        def push_weights(self, model):
+            super().push_weights(model)
+            pushed.append({name: w.clone() for name, w in simple_rl.hf_weights(model)})
+
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 20))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    args = simple_rl.Args(model=str(model_dir), dataset=str(train), run_name="abort", steps=2, prompts_per_step=2,
+                          samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400,
+                          max_tokens_per_microbatch=500, eval_every=0)
+    before = load_file(model_dir / "model.safetensors")
+    with pytest.raises(simple_rl.ParityError) as error:
+        simple_rl.main(args, device="cpu", engine_class=OneUlpOff)
+    message = str(error.value)
+    assert message.startswith("step 0: sample 1 token 0 (id ") and "; 1 of " in message
+    assert "first divergence: not found, the locator failed (AttributeError" in message
+    assert pushed and all(torch.equal(w[k], before[k]) for w in pushed for k in before)  # no update was made
+    assert scalar_series(tmp_path / "runs" / "abort")["parity/mismatched_tokens"] == [(0, 1.0)]
+
+
 # --- checkpoints and resume -----------------------------------------------------------------------
 
 
