@@ -291,7 +291,6 @@ def validate(args: Args) -> Args:
              f"--prompts-per-step {args.prompts_per_step} must be a multiple of the {world} processes"),
             (args.sft_batch_size % world == 0,
              f"--sft-batch-size {args.sft_batch_size} must be a multiple of the {world} processes"),
-            (args.resume is None, "--resume is not supported under torchrun yet: resume on one GPU"),
         ]
     for ok, message in checks:
         if not ok:
@@ -1422,15 +1421,40 @@ RUN_DEFINING_FLAGS = ("model", "dataset", "seed", "prompts_per_step", "samples_p
 the batch shape follow from them. Other flags (learning rate, --steps, ...) may change."""
 
 
-def write_training_state(directory: Path, optimizer: MasterWeights, ref_model, args: Args, step: int) -> None:
-    directory.mkdir()
-    state = {"masters": optimizer.masters, "optimizer": optimizer.optimizer.state_dict(),
+def whole(x):
+    """A tensor on the host, gathered from all ranks if it is sharded; anything else as it is."""
+    if not torch.is_tensor(x):
+        return x
+    return (x.full_tensor() if hasattr(x, "full_tensor") else x).cpu()
+
+
+def like(saved: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A whole saved tensor as `target` holds it: this rank's shard when `target` is sharded."""
+    if not hasattr(target, "device_mesh"):
+        return saved
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(saved.to(target.device_mesh.device_type), target.device_mesh, target.placements)
+
+
+def training_state(optimizer: MasterWeights, ref_model) -> tuple[dict, dict | None]:
+    """What --resume needs beyond the weights, as whole tensors on the host whatever the number of
+    processes (every rank of a sharded run takes part in gathering them): fp32 masters, AdamW's state,
+    RNG states, and the reference policy's weights when KL is on."""
+    adam = optimizer.optimizer.state_dict()
+    adam["state"] = {i: {k: whole(v) for k, v in s.items()} for i, s in adam["state"].items()}
+    state = {"masters": [whole(m) for m in optimizer.masters], "optimizer": adam,
              "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda_rng"] = torch.cuda.get_rng_state()
+    reference = None if ref_model is None else {k: v.contiguous().cpu() for k, v in hf_weights(ref_model)}
+    return state, reference
+
+
+def write_training_state(directory: Path, state: dict, reference: dict | None, args: Args, step: int) -> None:
+    directory.mkdir()
     torch.save(state, directory / "state.pt")
-    if ref_model is not None:
-        reference = {k: v.contiguous().cpu() for k, v in hf_weights(ref_model)}
+    if reference is not None:
         save_file(reference, directory / "reference.safetensors")
     (directory / "run.json").write_text(json.dumps({"args": asdict(args), "step": step}, indent=2))
 
@@ -1442,13 +1466,14 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, source_di
     step, from which the data order and the sampling seeds follow). Then only the newest --keep-last
     checkpoints are kept (and the one this run resumed from)."""
     out_dir = Path(args.output_dir) / args.run_name / f"step_{step:06d}"
-    weights = {k: v.contiguous().cpu() for k, v in hf_weights(model)}  # under torchrun, every rank gathers
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return  # rank 0 writes
+    # Under torchrun every rank takes part in gathering the checkpoint, and rank 0 writes it.
+    weights = {k: v.contiguous().cpu() for k, v in hf_weights(model)}
+    state, reference = training_state(optimizer, ref_model)
+    if rank_and_world()[0] != 0:
+        return
     with atomic_directory(out_dir) as tmp:
         write_hf_checkpoint(weights, source_dir, tmp)
-        if not dist.is_initialized():  # a sharded run's is not saved yet: no --resume under torchrun
-            write_training_state(tmp / RESUME_DIR, optimizer, ref_model, args, step)
+        write_training_state(tmp / RESUME_DIR, state, reference, args, step)
     for stale in out_dir.parent.glob(".step_*"):  # what a run killed mid-save left
         shutil.rmtree(stale)
     if args.keep_last:
@@ -1483,8 +1508,11 @@ def restore_training_state(checkpoint: Path, optimizer: MasterWeights, ref_model
     state = torch.load(checkpoint / RESUME_DIR / "state.pt", map_location="cpu", weights_only=True)
     with torch.no_grad():
         for master, saved in zip(optimizer.masters, state["masters"], strict=True):
-            master.copy_(saved)
-    optimizer.optimizer.load_state_dict(state["optimizer"])
+            master.copy_(like(saved, master))
+    adam = state["optimizer"]  # whole tensors: a run may resume on another number of GPUs
+    adam["state"] = {i: {k: like(v, optimizer.masters[i]) if torch.is_tensor(v) and v.dim() else v
+                         for k, v in s.items()} for i, s in adam["state"].items()}
+    optimizer.optimizer.load_state_dict(adam)
     for group in optimizer.optimizer.param_groups:
         group["weight_decay"] = args.weight_decay  # may change on resume; the lr is set every step
     random.setstate(state["python_rng"])
@@ -1492,9 +1520,12 @@ def restore_training_state(checkpoint: Path, optimizer: MasterWeights, ref_model
     if "cuda_rng" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng"].cpu())
     if ref_model is not None:
-        device = str(optimizer.masters[0].device)
+        device = str(ref_model.cos_sin_cache.device)
         reference = load_file(checkpoint / RESUME_DIR / "reference.safetensors", device=device)
-        ref_model.load_state_dict(from_hf_state_dict(reference, ref_model.args))
+        saved = from_hf_state_dict(reference, ref_model.args)
+        with torch.no_grad():
+            for name, p in ref_model.named_parameters():
+                p.copy_(like(saved[name], p))
 
 
 # =============================================================================================

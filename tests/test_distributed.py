@@ -112,7 +112,7 @@ def test_the_script_under_torchrun_samples_what_one_process_samples(tmp_path, mo
     """main() in 2 processes (each its own engine, half of each step's questions, a sharded trainer and
     a sharded reference policy) against one process: the same rollouts and rewards at step 0, the same
     losses and gradient norm within bf16 reduction tolerance; rank 0 alone logs and writes the
-    Hugging Face checkpoint (no training state: --resume is refused under torchrun)."""
+    checkpoint."""
     from test_rl import TrainerAsSampler, scalar_series
 
     model_dir = write_gsm8k_model(tmp_path / "model")
@@ -139,5 +139,62 @@ def test_the_script_under_torchrun_samples_what_one_process_samples(tmp_path, mo
         assert step == 0 and abs(a - b) <= 2e-2 * max(abs(a), 1e-3), (tag, a, b)
     assert one["train/grad_norm"][0][1] > 0 and one["train/grad_norm"][1][1] > 0
     checkpoint = tmp_path / "two" / "checkpoints" / "run" / "step_000002"
-    assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / simple_rl.RESUME_DIR).exists()
+    assert (checkpoint / "model.safetensors").is_file() and (checkpoint / simple_rl.RESUME_DIR / "state.pt").is_file()
     assert simple_rl.load_qwen3(checkpoint, "cpu").args == simple_rl.load_qwen3(model_dir, "cpu").args
+
+
+class Killed(Exception):
+    pass
+
+
+def resume_worker(rank: int, world: int, port: int, workdir, flags: dict, die_in_step_3: bool) -> None:
+    from test_rl import TrainerAsSampler
+
+    class DiesInStep3(TrainerAsSampler):
+        """Generation calls: eval, steps 0 and 1, eval, step 2, then step 3's rollout, which dies."""
+
+        def generate(self, *args, **kwargs):
+            if self.calls.count("generate") == 5:
+                raise Killed
+            return super().generate(*args, **kwargs)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    os.chdir(workdir)
+    try:
+        simple_rl.main(simple_rl.Args(**flags), device="cpu",
+                       engine_class=DiesInStep3 if die_in_step_3 else TrainerAsSampler)
+    except Killed:
+        pass
+    dist.destroy_process_group()
+
+
+def test_a_killed_torchrun_run_resumes_bit_for_bit(tmp_path):
+    """2 processes: a run that dies in step 3 of 4, resumed from its step-2 checkpoint (whose training
+    state is whole tensors, gathered from the shards), ends with the weights, masters and TensorBoard
+    scalars of the run that was never stopped."""
+    from safetensors.torch import load_file
+    from test_rl import scalar_series
+
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 40))
+    test = write_jsonl(tmp_path / "test.jsonl", gsm8k_rows("test", 10))
+    flags = dict(model=str(model_dir), dataset=str(train), eval_dataset=str(test), steps=4, prompts_per_step=2,
+                 samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400, max_tokens_per_microbatch=500,
+                 lr=1e-3, kl_coef=0.01, entropy_coef=0.01, eval_every=2, eval_samples=4, save_every=2,
+                 keep_last=0, assert_bitwise=False)
+    mp.spawn(resume_worker, args=(2, free_port(), tmp_path, flags | {"run_name": "whole"}, False), nprocs=2)
+    mp.spawn(resume_worker, args=(2, free_port(), tmp_path, flags | {"run_name": "killed"}, True), nprocs=2)
+    checkpoints = tmp_path / "checkpoints" / "killed"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002"]
+    resume = flags | {"resume": str(checkpoints / "step_000002")}
+    mp.spawn(resume_worker, args=(2, free_port(), tmp_path, resume, False), nprocs=2)
+
+    whole = tmp_path / "checkpoints" / "whole" / "step_000004"
+    for f in ("model.safetensors", "training_state/reference.safetensors"):
+        a, b = load_file(whole / f), load_file(checkpoints / "step_000004" / f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+    a, b = (torch.load(d / "training_state" / "state.pt", weights_only=True)
+            for d in (whole, checkpoints / "step_000004"))
+    assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"], strict=True))
+    assert scalar_series(tmp_path / "runs" / "whole") == scalar_series(tmp_path / "runs" / "killed")

@@ -225,7 +225,6 @@ def test_bad_flags_give_one_line_errors(tmp_path):
         ([], {"VLLM_BATCH_INVARIANT": "0"}, "VLLM_BATCH_INVARIANT is 0, so"),
         ([], {"VLLM_BATCH_INVARIANT": "true"}, "VLLM_BATCH_INVARIANT is 'true', but vLLM reads it as an integer"),
         (["--prompts-per-step", "3"], ON | {"WORLD_SIZE": "2"}, "must be a multiple of the 2 processes"),
-        (["--resume", str(tmp_path)], ON | {"WORLD_SIZE": "2"}, "--resume is not supported under torchrun"),
     ]
     for flags, env, message in cases:
         assert message in one_line_error(run_script(*flags, env_update=env, cwd=tmp_path)), flags
