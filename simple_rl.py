@@ -888,8 +888,8 @@ def packed_micro_batches(prompts: list[list[int]], completions: list[list[int]],
 def token_logprobs(model: Qwen3, batch: PackedBatch, temperature: float = 1.0):
     """(logprob (C,), entropy (C,)) in fp32 of every completion token under softmax(z / temperature),
     computed as vLLM's sampler computes its processed logprobs: lm_head on the rows that predict them
-    (bf16 logits z), the fp32 logits divided by the temperature, log_softmax; one chunk of rows at a
-    time (the full logits of a micro-batch never exist)."""
+    (bf16 logits z), the fp32 logits divided by the temperature, log_softmax; the fp32 math one chunk
+    of rows at a time (a micro-batch's fp32 logits never exist whole)."""
     hidden = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
     rows = hidden[batch.target_rows]
     return model.kernels.lm_head_logprobs(rows, model.output_weight, batch.targets, temperature)
