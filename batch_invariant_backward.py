@@ -321,7 +321,8 @@ class LMHeadLogprobs(torch.autograd.Function):
     temporaries exist for one chunk at a time, never for the whole micro-batch.
     Backward, per chunk: with p = softmax(z / T) from the kept logits,
     dz = (g_lp * (onehot(t) - p) - g_H * p * (log p + H)) / T, rounded to bf16; then dh = dz @ W and
-    dW = dz^T @ h, one cuBLAS matmul each over all rows (fp32 accumulation, one rounding). The entropy term is skipped when nothing depends on the entropy."""
+    dW = dz^T @ h, one cuBLAS matmul each over all rows (fp32 accumulation, one rounding). The entropy
+    term is skipped when nothing depends on the entropy."""
 
     ROWS_PER_CHUNK_TIMES_VOCAB = 2**27  # 0.5 GiB per fp32 temporary
 

@@ -17,9 +17,9 @@ mode at the same --vllm-gpu-memory:
   on fp32 master weights, the in-process push.
 Each side runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import), twice, in the order
 standard, exact, exact, standard; each process runs one warm-up step and --iters timed steps, and a
-side's figures are the medians over the timed steps of both its processes. Peak GPU memory is the whole device's, as nvidia-smi
-reports it every 20 ms (vLLM, the trainer and the CUDA context: the whole process; this one holds
-none).
+side's figures are the medians over the timed steps of both its processes. Peak GPU memory is the
+whole device's, as nvidia-smi reports it every 20 ms (vLLM, the trainer and the CUDA context: the
+whole process; this one holds none).
 """
 
 import argparse

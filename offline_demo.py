@@ -86,19 +86,21 @@ def write_checkpoint(directory: Path, config: dict, seed: int = 0, device="cpu")
     return directory
 
 
-def write_tokenizer(directory: Path, texts, vocab_size: int = 1024):
-    """A byte-level BPE tokenizer trained on `texts`, saved in Hugging Face form with
-    '<|endoftext|>' as end of sequence. Returns the transformers tokenizer."""
+def write_tokenizer(directory: Path, texts, vocab_size: int = 1024, special_tokens: tuple[str, ...] = (),
+                    eos_token: str = "<|endoftext|>"):
+    """A byte-level BPE tokenizer trained on `texts`, saved in Hugging Face form with '<|endoftext|>'
+    (then `special_tokens`) as its first tokens and `eos_token` as end of sequence. Returns the
+    transformers tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", *special_tokens],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tok.train_from_iterator(texts, trainer)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token="<|endoftext|>")
     hf_tok.save_pretrained(directory)
     return hf_tok
 

@@ -11,7 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offline_demo import qwen3_config, random_hf_weights, write_checkpoint, write_jsonl, write_model  # noqa: E402, F401
+from offline_demo import (qwen3_config, random_hf_weights, write_checkpoint, write_jsonl, write_model,  # noqa: E402, F401
+                          write_tokenizer)
 
 # The real GSM8K jsonl files: ../shared/data/gsm8k beside the checkout (CI), or GSM8K_DIR; without
 # either, openai/gsm8k from the hub through `datasets`.
@@ -97,19 +98,11 @@ enable_thinking=False an empty think block opening the assistant's turn, as Qwen
 def write_chat_model(directory: Path, device="cpu", **config) -> Path:
     """A random Qwen3 whose tokenizer (trained on GSM8K) has Qwen3's chat tokens and template: it ends
     a turn with <|im_end|>, its eos token, while config.json names <|endoftext|>, as Qwen3's do."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train", 2000)], trainer)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    texts = [r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train", 2000)]
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_tok = write_tokenizer(directory, texts, special_tokens=("<|im_start|>", "<|im_end|>"), eos_token="<|im_end|>")
     hf_tok.add_tokens(["<think>", "</think>"])  # plain added tokens: they stay in decoded text, as in Qwen3
     hf_tok.chat_template = QWEN3_CHAT_TEMPLATE
-    directory.mkdir(parents=True, exist_ok=True)
     hf_tok.save_pretrained(directory)
     vocab = -(-len(hf_tok) // 64) * 64
     config = qwen3_config(vocab=vocab, eos_token_id=hf_tok.convert_tokens_to_ids("<|endoftext|>"), **config)
