@@ -31,6 +31,7 @@ How this GRPO departs from the paper (Shao et al., 2024):
 """
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -1155,8 +1156,12 @@ def vllm_trace(engine, tokens: list[int]) -> dict:
     sequence (one more token sampled, which computes the last row's logits)."""
     trace, handles = {}, []
 
-    def hook(key, pick):
-        return lambda module, inputs, output: trace.setdefault(key, []).append(as_rows(pick(output)).clone())
+    def hook(keys, pick):  # one hook per module: a module shared by several layers fires once per layer
+        keys = itertools.cycle(keys)
+
+        def record(module, inputs, output):
+            trace.setdefault(next(keys), []).append(as_rows(pick(output)).clone())
+        return record
 
     def first(output):  # vLLM's linear layers return (output, bias), its fused add+norms (output, residual)
         return output[0] if isinstance(output, tuple) else output
@@ -1178,7 +1183,11 @@ def vllm_trace(engine, tokens: list[int]) -> dict:
             hooks += [(att.rotary_emb, (i, "rotary"), tuple), (post, (i, "residual"), second)]
             if i:
                 hooks.append((layer.input_layernorm, (i, "residual_in"), second))
-        handles.extend(module.register_forward_hook(hook(key, pick)) for module, key, pick in hooks)
+        # vLLM builds one rotary module and shares it among all layers, which call it in layer order.
+        keys = {}
+        for module, key, pick in hooks:
+            keys.setdefault((module, pick), []).append(key)
+        handles.extend(module.register_forward_hook(hook(k, pick)) for (module, pick), k in keys.items())
 
     engine.llm.apply_model(register)
     try:

@@ -129,7 +129,9 @@ def test_the_locator_names_each_injected_divergence(served):
     assert locate().startswith("no intermediate tensor differs up to the logits")
     ffn = model.layers[1].feed_forward
     kernels = ffn.kernels
-    ffn.kernels = dataclasses.replace(kernels, linear=torch.nn.functional.linear)  # cuBLAS, not vLLM's matmul
+    # On Hopper both sides' linears are cuBLAS bf16 GEMMs; this one is cuBLAS's fp32 GEMM, rounded.
+    fp32_linear = lambda x, w: torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)  # noqa: E731
+    ffn.kernels = dataclasses.replace(kernels, linear=fp32_linear)
     try:
         assert locate().startswith("layer 1 gate_up: ")
     finally:

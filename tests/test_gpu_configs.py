@@ -41,4 +41,7 @@ def test_parity_holds_for_every_configuration(name, tmp_path):
     ours = trainer_logprobs(model, prompts, completions, order, 16384)
     mismatched = count_mismatches(ours, vllm_logprobs)
     print(f"\n[{name}] {sum(map(len, completions))} sampled tokens, {mismatched} differ")
+    if mismatched:  # where the bits part, for the refusal's reason
+        i = next(i for i, (a, b) in enumerate(zip(ours, vllm_logprobs)) if count_mismatches([a], [b]))
+        print(f"[{name}] first divergence: " + simple_rl.locate_divergence(engine, model, prompts[i] + completions[i]))
     assert mismatched == 0
