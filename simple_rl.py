@@ -494,6 +494,25 @@ def model_args_from_hf_config(config: dict) -> Qwen3ModelArgs:
     )
 
 
+BITWISE_HEAD_DIMS = (128, 256)
+"""Head sizes where vLLM's attention is the trainer's bit for bit at any length (tests/test_gpu_configs.py)"""
+
+
+def check_bitwise_head_dim(model: Qwen3ModelArgs, args: Args, model_dir: Path) -> None:
+    """Refuses head sizes where vLLM 0.20's attention cannot be reproduced bit for bit. FlashAttention 3
+    sizes its key tiles by head size and causality, and runs a step of decodes only (one query per
+    sequence) as non-causal. At head_dim 64 such a step sums over the keys in tiles of 192 where a prefill,
+    and the trainer, use tiles of 128: the locator, run over an eager engine's decode steps, finds every
+    decode row parting at layer 0's attention while every prefill row is equal. A sequence of at most 128
+    tokens fits one tile either way. Other head sizes are untested."""
+    d, longest = model.head_dim, args.max_prompt_tokens + args.max_new_tokens
+    if d in BITWISE_HEAD_DIMS or (d == 64 and longest <= 128):
+        return
+    raise ValueError(f"--model {model_dir}: head_dim is {d}; vLLM's attention is bitwise the trainer's "
+                     f"only at head_dim 128 or 256, or 64 with sequences of at most 128 tokens (here "
+                     f"--max-prompt-tokens + --max-new-tokens = {longest})")
+
+
 def rope_cos_sin_cache(args: Qwen3ModelArgs, dtype: torch.dtype) -> torch.Tensor:
     """(max_seq_len, head_dim) table [cos | sin] for neox rotary, built as vLLM builds it: fp32 on
     the current default device, then rounded to the model dtype (the kernel reads this table)."""
@@ -1209,7 +1228,9 @@ def first_divergence(trainer: dict, served: dict, n_layers: int) -> str:
         if differ.any():
             return (f"{where}: {int(differ.sum())} of {differ.numel()} elements differ, max |delta| "
                     f"{float((a - b).abs().max()):.3g}; every tensor before it is bitwise equal")
-    return "no intermediate tensor differs up to the logits: the difference is in the log-softmax"
+    # The traces are of a prefill; vLLM's decode steps run their own attention (see check_bitwise_head_dim).
+    return ("no intermediate tensor differs up to the logits of a prefill: the difference is in the "
+            "log-softmax or in vLLM's decode steps")
 
 
 def locate_divergence(engine, model: Qwen3, tokens: list[int]) -> str:
@@ -1564,6 +1585,7 @@ class Inputs:
     """Everything read before the engine starts: a bad input fails before anything slow."""
 
     model_dir: Path  # the checkpoint both sides load: --model, or the one --resume continues from
+    model_args: Qwen3ModelArgs  # its shape
     start_step: int  # GRPO steps already made: 0, or the resumed checkpoint's step
     tokenizer: object
     stop_ids: list[int]
@@ -1595,8 +1617,8 @@ def load_inputs(args: Args) -> tuple[Args, Inputs]:
     eval_rows = []
     if args.eval_every:
         eval_rows = encode_dataset(load_gsm8k(args.eval_dataset, "test"), tokenizer, args, "eval set")
-    return args, Inputs(model_dir, start_step, tokenizer, stop_token_ids(tokenizer, model_dir), train_rows,
-                        eval_rows[: args.eval_samples])
+    return args, Inputs(model_dir, model_args, start_step, tokenizer, stop_token_ids(tokenizer, model_dir),
+                        train_rows, eval_rows[: args.eval_samples])
 
 
 def gpu_memory_in_use_gib() -> float:
@@ -1779,6 +1801,8 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
     """Train; returns the run's TensorBoard directory. `engine_class` replaces vLLM in CPU tests."""
     try:
         args, inputs = load_inputs(validate(args))
+        if engine_class is None:  # vLLM's attention kernels (the CPU tests' stand-in engine has none)
+            check_bitwise_head_dim(inputs.model_args, args, inputs.model_dir)
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
         world = init_distributed(device)

@@ -42,11 +42,11 @@ def served(request, tmp_path_factory):
     return engine, model, config, request.param, ckpt
 
 
-def sample(engine, vocab, n, seed, temperature=1.0):
+def sample(engine, vocab, n, seed, temperature=1.0, prompt_lens=(20, 400), new_tokens=(64, 256)):
     """n completions of random prompts (20-400 tokens), 64-256 new tokens each."""
     g = torch.Generator().manual_seed(seed)
-    prompt_lens = torch.randint(20, 401, (n,), generator=g).tolist()
-    new_tokens = torch.randint(64, 257, (n,), generator=g).tolist()
+    prompt_lens = torch.randint(prompt_lens[0], prompt_lens[1] + 1, (n,), generator=g).tolist()
+    new_tokens = torch.randint(new_tokens[0], new_tokens[1] + 1, (n,), generator=g).tolist()
     prompts = [torch.randint(0, vocab, (L,), generator=g).tolist() for L in prompt_lens]
     completions, logprobs = engine.generate(
         prompts, new_tokens, temperature=temperature, seeds=[seed * 100_000 + i for i in range(n)], ignore_eos=True

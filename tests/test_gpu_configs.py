@@ -2,7 +2,8 @@
 head dims of 64, 128 and 256, GQA ratios from 1 (no grouping) to 8, tied and untied embeddings,
 narrow and wide layers, 2 to 28 layers, and the real Qwen3-0.6B shape. Each configuration gets its
 own engine and the parity test's batch: 512 samples of 64-256 new tokens after prompts of 20-400
-tokens, recomputed by the trainer in shuffled packed batches."""
+tokens, recomputed by the trainer in shuffled packed batches. Where the bits cannot agree (head_dim 64
+beyond 128 tokens), the test measures that they do not, and that simple_rl.py refuses the shape."""
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ pytestmark = pytest.mark.gpu
 GRID = {
     "head-dim-64": qwen3_config(hidden=512, layers=2, heads=8, kv_heads=4, head_dim=64, intermediate=1024,
                                 vocab=4096),
+    "head-dim-64-short": qwen3_config(hidden=512, layers=2, heads=8, kv_heads=4, head_dim=64, intermediate=1024,
+                                      vocab=4096),
     "head-dim-256": qwen3_config(hidden=512, layers=2, heads=4, kv_heads=2, head_dim=256, intermediate=1024,
                                  vocab=4096),
     "no-grouping": qwen3_config(hidden=512, layers=2, heads=4, kv_heads=4, head_dim=128, intermediate=1024,
@@ -28,6 +31,9 @@ GRID = {
                                      vocab=151936, max_positions=40960),
 }
 
+REFUSED = {"head-dim-64"}  # decode steps sum over other key tiles than a prefill (see check_bitwise_head_dim)
+SHORT = {"prompt_lens": (20, 64), "new_tokens": (32, 64)}  # at most 128 tokens: one key tile
+
 
 @pytest.mark.parametrize("name", GRID)
 def test_parity_holds_for_every_configuration(name, tmp_path):
@@ -36,7 +42,8 @@ def test_parity_holds_for_every_configuration(name, tmp_path):
     ckpt = write_checkpoint(tmp_path / name, config, seed=3, device="cuda")
     engine = start_engine(ckpt, 0.1, max_model_len=1024, seed=0, sleep_mode=False, kv_cache_gib=2)
     model = simple_rl.load_qwen3(ckpt, "cuda")
-    prompts, completions, vllm_logprobs = sample(engine, config["vocab_size"], 512, seed=11)
+    lengths = SHORT if name.endswith("-short") else {}
+    prompts, completions, vllm_logprobs = sample(engine, config["vocab_size"], 512, seed=11, **lengths)
     order = torch.randperm(512, generator=torch.Generator().manual_seed(12)).tolist()
     ours = trainer_logprobs(model, prompts, completions, order, 16384)
     mismatched = count_mismatches(ours, vllm_logprobs)
@@ -44,4 +51,13 @@ def test_parity_holds_for_every_configuration(name, tmp_path):
     if mismatched:  # where the bits part, for the refusal's reason
         i = next(i for i, (a, b) in enumerate(zip(ours, vllm_logprobs)) if count_mismatches([a], [b]))
         print(f"[{name}] first divergence: " + simple_rl.locate_divergence(engine, model, prompts[i] + completions[i]))
-    assert mismatched == 0
+    longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    run = simple_rl.Args(max_prompt_tokens=longest // 2, max_new_tokens=longest - longest // 2)
+    if name in REFUSED:
+        assert mismatched > 0, "the bits agree: the refusal is no longer needed"
+        with pytest.raises(ValueError, match="head_dim is 64; "):
+            simple_rl.check_bitwise_head_dim(model.args, run, ckpt)
+    else:
+        simple_rl.check_bitwise_head_dim(model.args, run, ckpt)
+        assert mismatched == 0
+

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 from conftest import QWEN3_CHAT_TEMPLATE, gsm8k_rows, write_chat_model, write_gsm8k_model, write_jsonl
 
 import simple_rl
@@ -279,7 +280,7 @@ def test_missing_gpu_is_reported_after_the_inputs_are_checked(tmp_path):
     """Good inputs get as far as the GPU check, and a run shorter than the default warm-up is fine."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    flags = local_inputs(tmp_path, write_gsm8k_model(tmp_path / "model"))
+    flags = local_inputs(tmp_path, write_gsm8k_model(tmp_path / "model", head_dim=128))
     result = run_script(*flags, "--steps", "4", env_update=ON, cwd=tmp_path)
     assert "no CUDA GPU" in one_line_error(result)
     assert "--warmup-steps 10 is more than --steps 4: the learning rate warms up over all 4 steps" in result.stdout
@@ -308,10 +309,28 @@ def test_bad_checkpoints_stop_before_the_engine(tmp_path):
     no_tokenizer.mkdir()
     for f in ("config.json", "model.safetensors"):
         shutil.copy(good / f, no_tokenizer / f)
+    cases["head_dim is 64; vLLM's attention is bitwise the trainer's only at head_dim 128 or 256"] = (
+        write_gsm8k_model(tmp_path / "head_dim_64", head_dim=64))
     for message, model_dir in cases.items():
         error = one_line_error(run_script("--model", str(model_dir), *flags, env_update=ON, cwd=tmp_path))
         assert message in error and str(model_dir) in error, error
     assert not (tmp_path / "runs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_head_sizes_whose_attention_vllm_computes_otherwise_are_refused():
+    """FlashAttention 3 decodes with other key tiles than it prefills at head_dim 64 (measured on the GPU
+    in tests/test_gpu_configs.py); a sequence within one 128-key tile is safe."""
+    args = simple_rl.Args()
+    for d in simple_rl.BITWISE_HEAD_DIMS:
+        simple_rl.check_bitwise_head_dim(Qwen3ModelArgs(head_dim=d), args, Path("model"))
+    for d in (16, 64, 96, 192):
+        with pytest.raises(ValueError, match=f"head_dim is {d}; "):
+            simple_rl.check_bitwise_head_dim(Qwen3ModelArgs(head_dim=d), args, Path("model"))
+    short = dataclasses.replace(args, max_prompt_tokens=100, max_new_tokens=28)
+    simple_rl.check_bitwise_head_dim(Qwen3ModelArgs(head_dim=64), short, Path("model"))
+    with pytest.raises(ValueError, match=r"--max-new-tokens = 129\)"):
+        longer = dataclasses.replace(short, max_new_tokens=29)
+        simple_rl.check_bitwise_head_dim(Qwen3ModelArgs(head_dim=64), longer, Path("model"))
 
 
 # --- smoke run of main() ------------------------------------------------------------------------
