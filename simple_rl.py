@@ -645,7 +645,7 @@ def hf_weights(model: Qwen3):
     adapter = Qwen3StateDictAdapter(a, None)
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     for name, p in model.named_parameters():
-        p = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        p = full(p.detach())
         prefix = name.rsplit(".", 2)[0] + "."  # layers.<i>.attention. / layers.<i>.feed_forward.
         if name.endswith("attention.wqkv.weight"):
             names = [prefix + "wq.weight", prefix + "wk.weight", prefix + "wv.weight"]
@@ -909,6 +909,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a sharded (DTensor) tensor, gathered from all ranks (every rank must call it); a
+    plain tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
@@ -1164,9 +1170,7 @@ def trainer_trace(model: Qwen3, tokens: list[int]) -> dict:
         trace[layer, "residual_in"], trace[layer, "residual"] = as_rows(block[0][0]), as_rows(block[7][0])
     final_residual, final_norm = calls[model.args.n_layers * n]
     trace[None, "final_residual"], trace[None, "final_norm"] = as_rows(final_residual), as_rows(final_norm)
-    weight = model.output_weight
-    weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # sharded: all of it
-    trace[None, "logits"] = as_rows(model.kernels.linear(final_norm[-1:], weight))
+    trace[None, "logits"] = as_rows(model.kernels.linear(final_norm[-1:], full(model.output_weight)))
     return trace
 
 
@@ -1280,9 +1284,8 @@ class MasterWeights:
     def step(self, lr: float, max_grad_norm: float) -> tuple[float, dict]:
         """Clip, step, write back. Returns the pre-clip gradient norm and, per layer, the L2 norm
         of the bf16 weight change and that norm relative to the layer's weights."""
-        grad_norm = torch.nn.utils.get_total_norm([master.grad for master in self.masters])
-        if hasattr(grad_norm, "full_tensor"):  # sharded: this rank's part of the norm; all ranks' is
-            grad_norm = grad_norm.full_tensor()
+        # Sharded, the norm comes back as this rank's part; full() makes it the norm over all ranks.
+        grad_norm = full(torch.nn.utils.get_total_norm([master.grad for master in self.masters]))
         torch.nn.utils.clip_grads_with_norm_(self.masters, max_grad_norm, grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -1329,7 +1332,9 @@ def reference_policy(model: Qwen3) -> Qwen3:
     """A frozen copy of the policy (for the KL term), sharded as the policy is."""
     with torch.device(model.cos_sin_cache.device):
         ref_model = Qwen3(model.args, model.kernels, model.tok_embeddings.weight.dtype).requires_grad_(False)
-    ref_model.load_state_dict(from_hf_state_dict(dict(hf_weights(model)), model.args))
+    with torch.no_grad():
+        for p, ref in zip(model.parameters(), ref_model.parameters(), strict=True):
+            ref.copy_(full(p))  # one gathered weight at a time
     return shard_model(ref_model) if dist.is_initialized() else ref_model
 
 
@@ -1455,7 +1460,7 @@ def whole(x):
     """A tensor on the host, gathered from all ranks if it is sharded; anything else as it is."""
     if not torch.is_tensor(x):
         return x
-    return (x.full_tensor() if hasattr(x, "full_tensor") else x).cpu()
+    return full(x).cpu()
 
 
 def like(saved: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

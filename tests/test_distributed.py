@@ -46,8 +46,7 @@ def one_update(model_dir, rank: int, world: int) -> dict:
     args = simple_rl.Args(max_tokens_per_microbatch=40)
     metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args)
     grad_norm, deltas = optimizer.step(1e-3, max_grad_norm=0.5)
-    weights = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-               for name, p in model.named_parameters()}
+    weights = {name: simple_rl.full(p).detach().clone() for name, p in model.named_parameters()}
     hf = {name: w.clone() for name, w in simple_rl.hf_weights(model)}  # gathered one by one
     return {"weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas, "hf": hf,
             "checksum": checksum, "trace": trace}
