@@ -1813,8 +1813,9 @@ def main(args: Args, device: str = "cuda", engine_class=None) -> Path:
         world = init_distributed(device)
         seed_everything(args.seed)
         # Under torchrun, every rank runs its own engine on its own GPU, in its process: vLLM's external
-        # launcher, one data-parallel rank per process (the engines step together).
-        parallel = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world}
+        # launcher with no data parallelism of vLLM's own. Each rank is then one of what vLLM calls its
+        # external data-parallel ranks: its engine samples alone and never waits for the others'.
+        parallel = {"distributed_executor_backend": "external_launcher"}
         # vLLM first: it claims --vllm-gpu-memory of a GPU that is still empty.
         engine = (engine_class or VLLMEngine)(inputs.model_dir, args.vllm_gpu_memory,
                                               args.max_prompt_tokens + args.max_new_tokens, args.seed,
