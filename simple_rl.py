@@ -691,6 +691,8 @@ def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bf
                activation_checkpointing: bool = False) -> Qwen3:
     """A Hugging Face Qwen3 checkpoint directory -> trainer model on `device`."""
     args = model_args_from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    if torch.device(device) == torch.device("cuda"):  # safetensors reads a bare "cuda" as GPU 0
+        device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU, under torchrun
     hf_state = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         hf_state.update(load_file(f, device=str(device)))
