@@ -1459,10 +1459,13 @@ the batch shape follow from them. Other flags (learning rate, --steps, ...) may 
 
 
 def whole(x):
-    """A tensor on the host, gathered from all ranks if it is sharded; anything else as it is."""
+    """For rank 0, which writes checkpoints: a tensor on the host, gathered from all ranks if it is
+    sharded (every rank takes part; the others keep no copy, so the host holds one whatever the
+    number of GPUs); anything else as it is."""
     if not torch.is_tensor(x):
         return x
-    return full(x).cpu()
+    x = full(x)
+    return x.contiguous().cpu() if rank_and_world()[0] == 0 else None
 
 
 def like(saved: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -1475,7 +1478,7 @@ def like(saved: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def training_state(optimizer: MasterWeights, ref_model) -> tuple[dict, dict | None]:
-    """What --resume needs beyond the weights, as whole tensors on the host whatever the number of
+    """What --resume needs beyond the weights, as whole tensors on rank 0's host whatever the number of
     processes (every rank of a sharded run takes part in gathering them): fp32 masters, AdamW's state,
     RNG states, and the reference policy's weights when KL is on."""
     adam = optimizer.optimizer.state_dict()
@@ -1484,7 +1487,7 @@ def training_state(optimizer: MasterWeights, ref_model) -> tuple[dict, dict | No
              "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda_rng"] = torch.cuda.get_rng_state()
-    reference = None if ref_model is None else {k: v.contiguous().cpu() for k, v in hf_weights(ref_model)}
+    reference = None if ref_model is None else {k: whole(v) for k, v in hf_weights(ref_model)}
     return state, reference
 
 
@@ -1504,7 +1507,7 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, source_di
     checkpoints are kept (and the one this run resumed from)."""
     out_dir = Path(args.output_dir) / args.run_name / f"step_{step:06d}"
     # Under torchrun every rank takes part in gathering the checkpoint, and rank 0 writes it.
-    weights = {k: v.contiguous().cpu() for k, v in hf_weights(model)}
+    weights = {k: whole(v) for k, v in hf_weights(model)}
     state, reference = training_state(optimizer, ref_model)
     if rank_and_world()[0] != 0:
         return

@@ -40,6 +40,9 @@ def one_update(model_dir, rank: int, world: int) -> dict:
         rollouts = simple_rl.Rollouts(*(getattr(rollouts, f.name)[share] for f in dataclasses.fields(rollouts)))
         simple_rl.shard_model(model)
     checksum = simple_rl.trainer_checksum(model)  # of the whole weights, from the shards
+    # A checkpoint's tensors are gathered by every rank but kept on the host by rank 0 alone.
+    kept = [simple_rl.whole(p) is not None for p in model.parameters()]  # all of them: each is a collective
+    assert kept == [rank == 0] * len(kept)
     trace = simple_rl.trainer_trace(model, rollouts.prompts[0] + rollouts.completions[0])  # the locator's
     optimizer = simple_rl.MasterWeights(model, lr=1e-3, weight_decay=0.0)
     # Micro-batches of at most 40 tokens: the ranks cut their samples into different numbers of them.
