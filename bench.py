@@ -3,6 +3,7 @@
     python bench.py                     # Qwen3-1.7B shape, the script's default config
     python bench.py --shape 4b          # Qwen3-4B shape
     python bench.py --trainer-only      # the trainer's forward + backward against HF transformers
+    python bench.py --gpus 2 --gsm8k train.jsonl            # simple_rl.py on 1 GPU against torchrun on 2
     python bench.py --write-model DIR --gsm8k train.jsonl   # a random model at --shape, to run the script
 
 Step benchmark. Both sides run the same GRPO step on the same random weights, the same prompts
@@ -20,12 +21,19 @@ standard, exact, exact, standard; each process runs one warm-up step and --iters
 side's figures are the medians over the timed steps of both its processes. Peak GPU memory is the
 whole device's, as nvidia-smi reports it every 20 ms (vLLM, the trainer and the CUDA context: the
 whole process; this one holds none).
+
+Scaling benchmark (--gpus N). simple_rl.py itself, end to end, on a random model of --shape with a
+tokenizer trained on --gsm8k (also its questions): first `python simple_rl.py` on one GPU, then
+`torchrun --nproc-per-node N simple_rl.py` on N, with the same flags (the step benchmark's, and
+--eval-every 0). The figures are the script's own phase times and mismatch counts, read from its
+TensorBoard run, means of the steps after the first; peak memory is each GPU's, from nvidia-smi.
 """
 
 import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,31 +62,32 @@ def shape_config(shape: str, layers: int | None = None, eos_token_id: int = 1) -
 
 
 @contextmanager
-def peak_gpu_memory(out: dict):
-    """The device's memory in use, as nvidia-smi reports it every 20 ms, while the block runs: its
-    maximum in GiB goes to out["peak_gib"]. nvidia-smi polls from its own process, so the polling
-    takes no time from the Python process being measured."""
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # the GPU the sides run on
+def peak_gpu_memory(out: dict, gpus: list[str] | None = None):
+    """The devices' memory in use, as nvidia-smi reports it every 20 ms, while the block runs: the
+    maximum in GiB of each of `gpus` (default: the first visible one) goes to out["peak_gib"], a list.
+    nvidia-smi polls from its own process, so the polling takes no time from the processes measured."""
+    gpus = gpus or visible_gpus()[:1]
+    query = ["nvidia-smi", "-i", ",".join(gpus), "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
     with tempfile.TemporaryFile("w+") as log:
-        smi = subprocess.Popen(
-            [
-                "nvidia-smi",
-                "-i",
-                gpu,
-                "--query-gpu=memory.used",
-                "--format=csv,noheader,nounits",
-                "-lms",
-                "20",
-            ],
-            stdout=log,
-        )
+        smi = subprocess.Popen([*query, "-lms", "20"], stdout=log)
         try:
             yield
         finally:
             smi.terminate()
             smi.wait()
             log.seek(0)
-            out["peak_gib"] = max(int(x) for x in log.read().split() if x.isdigit()) / 1024
+            peaks = {}
+            for line in log.read().splitlines():
+                index, used = line.split(", ") if ", " in line else (None, None)
+                if used and used.strip().isdigit():
+                    peaks[index] = max(peaks.get(index, 0), int(used) / 1024)
+            out["peak_gib"] = [peaks[i] for i in sorted(peaks, key=int)]
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as nvidia-smi names them."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
 
 
 # --- the two sides of the step benchmark ------------------------------------------------------------
@@ -275,7 +284,7 @@ def combine(runs: list[dict]) -> dict:
     out = {name: statistics.median(times[name] for times in steps) for name in steps[0]}
     out["step"] = statistics.median(sum(times.values()) for times in steps)
     out["steps"] = [sum(times.values()) for times in steps]
-    out["peak_gib"] = max(run["peak_gib"] for run in runs)
+    out["peak_gib"] = max(max(run["peak_gib"]) for run in runs)
     out["mismatched_tokens"] = [n for run in runs for n in run["mismatched_tokens"]]
     out |= {key: runs[0][key] for key in ("sampled_tokens", "device")}
     return out
@@ -324,6 +333,69 @@ def step_benchmark(args) -> dict:
         f"  exact side: mismatched tokens per step {exact['mismatched_tokens']} of {exact['sampled_tokens']}"
     )
     results["step_ratio"] = exact["step"] / standard["step"]
+    return results
+
+
+# --- simple_rl.py on 1 GPU against torchrun on N ------------------------------------------------------
+
+PHASES = ("generate", "train", "push")
+
+
+def script_run(gpus: int, model: Path, workdir: Path, args) -> dict:
+    """simple_rl.py on the first `gpus` visible GPUs (torchrun for more than one): its per-step phase
+    times and mismatch counts from TensorBoard, and each GPU's peak memory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    name = f"{gpus}_gpus"
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(gpus)] if gpus > 1 else []
+    flags = ["--model", str(model), "--dataset", str(args.gsm8k.resolve()), "--eval-every", "0",
+             "--steps", str(1 + args.iters), "--run-name", name, "--output-dir", str(workdir / "checkpoints"),
+             "--prompts-per-step", str(args.prompts), "--samples-per-prompt", str(args.samples),
+             "--max-new-tokens", str(args.max_new_tokens), "--vllm-gpu-memory", str(args.vllm_gpu_memory),
+             "--max-tokens-per-microbatch", str(args.max_tokens_per_microbatch)]
+    flags += ["--activation-checkpointing"] if args.activation_checkpointing else []
+    gpu_ids = visible_gpus()[:gpus]
+    env = os.environ | {"VLLM_BATCH_INVARIANT": "1", "CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)}
+    peak = {}
+    with peak_gpu_memory(peak, gpu_ids):
+        subprocess.run([sys.executable, *launcher, str(HERE / "simple_rl.py"), *flags], cwd=workdir, env=env,
+                       check=True)
+    shutil.rmtree(workdir / "checkpoints")  # the run's final checkpoint: disk, not part of a step
+    events = EventAccumulator(str(workdir / "runs" / name)).Reload()
+    series = {tag: [e.value for e in events.Scalars(tag)][1:]  # the first step warms up
+              for tag in [f"time/{p}" for p in PHASES] + ["parity/mismatched_tokens", "reward/completion_tokens_mean"]}
+    out = {p: statistics.mean(series[f"time/{p}"]) for p in PHASES}
+    out["step"] = sum(out[p] for p in PHASES)
+    out["tokens_per_s"] = statistics.mean(series["reward/completion_tokens_mean"]) * args.prompts * args.samples / out["step"]
+    out["mismatched_tokens"] = [int(n) for n in series["parity/mismatched_tokens"]]
+    return out | peak
+
+
+def scaling_benchmark(args) -> dict:
+    if args.gsm8k is None:
+        raise SystemExit("--gpus needs --gsm8k: the GSM8K train jsonl (the script's questions, the tokenizer's text)")
+    if args.gpus < 2 or len(visible_gpus()) < args.gpus:
+        raise SystemExit(f"--gpus {args.gpus}: give 2 or more, at most the {len(visible_gpus())} GPUs visible")
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        # Written by another process: this one holds no GPU memory while the runs are measured.
+        model = workdir / "model"
+        layers = ["--layers", str(args.layers)] if args.layers else []
+        subprocess.run([sys.executable, __file__, "--shape", args.shape, *layers, "--write-model", str(model),
+                        "--gsm8k", str(args.gsm8k)], check=True)
+        results = {n: script_run(n, model, workdir, args) for n in (1, args.gpus)}
+    one, many = results[1], results[args.gpus]
+    print(f"\nsimple_rl.py, Qwen3-{args.shape} shape, {args.prompts} prompts x {args.samples} samples, up to "
+          f"{args.max_new_tokens} new tokens, {torch.cuda.get_device_name()}; means of {args.iters} steps after the first")
+    print(f"  {'':<8}" + "".join(f"{p:>11}" for p in (*PHASES, "step")) + f"{'tokens/s':>11}   peak GPU memory")
+    for n, r in results.items():
+        print(f"  {n} GPU{'s' if n > 1 else ' '}" + "".join(f"{r[p]:>10.2f}s" for p in (*PHASES, "step"))
+              + f"{r['tokens_per_s']:>11,.0f}   " + " / ".join(f"{g:.1f}" for g in r["peak_gib"]) + " GiB")
+    print(f"  {args.gpus} GPUs / 1 GPU: throughput {one['step'] / many['step']:.2f}x (generate "
+          f"{one['generate'] / many['generate']:.2f}x, train {one['train'] / many['train']:.2f}x)")
+    for n, r in results.items():
+        print(f"  mismatched tokens per step, {n} GPU{'s' if n > 1 else ''}: {r['mismatched_tokens']}")
+    results["speedup"] = one["step"] / many["step"]
     return results
 
 
@@ -435,8 +507,9 @@ def main():
     trainer.add_argument(
         "--profile", action="store_true", help="also print the trainer step's top CUDA kernels"
     )
+    parser.add_argument("--gpus", type=int, help="the scaling benchmark: simple_rl.py on 1 GPU, then on this many")
     parser.add_argument("--write-model", type=Path, metavar="DIR")
-    parser.add_argument("--gsm8k", type=Path, help="GSM8K train jsonl for --write-model's tokenizer")
+    parser.add_argument("--gsm8k", type=Path, help="GSM8K train jsonl for --write-model's tokenizer (and --gpus)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA GPU")
@@ -445,6 +518,8 @@ def main():
         return write_model(args.write_model, args.shape, args.gsm8k)
     if args.side:
         results = run_side(args.side, args.ckpt, args)
+    elif args.gpus:
+        results = scaling_benchmark(args)
     elif args.trainer_only:
         results = trainer_benchmark(args)
     else:
