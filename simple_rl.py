@@ -886,7 +886,7 @@ def init_distributed(device: str) -> int:
             # device_id makes NCCL connect now, before vLLM starts: in batch-invariant mode vLLM sets
             # NCCL_MAX_NCHANNELS=1 and NCCL_NTHREADS=1 for its own reductions, and NCCL reads them when
             # it connects. Connected after that, FSDP's gathers and reduce-scatters ran on one channel,
-            # about 20 times slower (7.4 ms for one block's fp32 gradients on 2 x H200, NVLink).
+            # at about a tenth of the link's speed, and 2 GPUs trained no faster than one (2 x H200).
             dist.init_process_group("nccl", device_id=gpu)
         else:
             dist.init_process_group("gloo")
