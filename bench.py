@@ -385,7 +385,7 @@ def scaling_benchmark(args) -> dict:
                         "--gsm8k", str(args.gsm8k)], check=True)
         results = {n: script_run(n, model, workdir, args) for n in (1, args.gpus)}
     one, many = results[1], results[args.gpus]
-    print(f"\nsimple_rl.py, Qwen3-{args.shape} shape, {args.prompts} prompts x {args.samples} samples, up to "
+    print(f"\nsimple_rl.py, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), {args.prompts} prompts x {args.samples} samples, up to "
           f"{args.max_new_tokens} new tokens, {torch.cuda.get_device_name()}; means of {args.iters} steps after the first")
     print(f"  {'':<8}" + "".join(f"{p:>11}" for p in (*PHASES, "step")) + f"{'tokens/s':>11}   peak GPU memory")
     for n, r in results.items():
@@ -472,13 +472,13 @@ def trainer_benchmark(args) -> dict:
     return results
 
 
-def write_model(directory: Path, shape: str, gsm8k: Path) -> None:
+def write_model(directory: Path, shape: str, gsm8k: Path, layers: int | None = None) -> None:
     """A random Qwen3 of a real shape with a tokenizer trained on GSM8K: `simple_rl.py --model` offline.
     Token ids past the tokenizer's 1,024 decode to nothing, so the random model's rewards are 0."""
     rows = [json.loads(line) for line in gsm8k.read_text().splitlines()[:2000]]
     directory.mkdir(parents=True, exist_ok=True)
     tok = write_tokenizer(directory, [r["question"] + "\n" + r["answer"] for r in rows])
-    write_checkpoint(directory, shape_config(shape, eos_token_id=tok.eos_token_id), seed=0, device="cuda")
+    write_checkpoint(directory, shape_config(shape, layers, eos_token_id=tok.eos_token_id), seed=0, device="cuda")
     print(f"wrote {directory}: random Qwen3-{shape} shape, tokenizer of {len(tok)} tokens")
 
 
@@ -515,7 +515,7 @@ def main():
         raise SystemExit("bench.py needs a CUDA GPU")
     random.seed(0)
     if args.write_model:
-        return write_model(args.write_model, args.shape, args.gsm8k)
+        return write_model(args.write_model, args.shape, args.gsm8k, args.layers)
     if args.side:
         results = run_side(args.side, args.ckpt, args)
     elif args.gpus:
