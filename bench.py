@@ -25,7 +25,7 @@ whole process; this one holds none).
 Scaling benchmark (--gpus N). simple_rl.py itself, end to end, on a random model of --shape with a
 tokenizer trained on --gsm8k (also its questions): first `python simple_rl.py` on one GPU, then
 `torchrun --nproc-per-node N simple_rl.py` on N, with the same flags (the step benchmark's, and
---eval-every 0). The figures are the script's own phase times and mismatch counts, read from its
+--eval-every 0; with --weak, N times the prompts on N GPUs). The figures are the script's own phase times and mismatch counts, read from its
 TensorBoard run, means of the steps after the first; peak memory is each GPU's, from nvidia-smi.
 """
 
@@ -347,10 +347,11 @@ def script_run(gpus: int, model: Path, workdir: Path, args) -> dict:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     name = f"{gpus}_gpus"
+    prompts = args.prompts * (gpus if args.weak else 1)
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(gpus)] if gpus > 1 else []
     flags = ["--model", str(model), "--dataset", str(args.gsm8k.resolve()), "--eval-every", "0",
              "--steps", str(1 + args.iters), "--run-name", name, "--output-dir", str(workdir / "checkpoints"),
-             "--prompts-per-step", str(args.prompts), "--samples-per-prompt", str(args.samples),
+             "--prompts-per-step", str(prompts), "--samples-per-prompt", str(args.samples),
              "--max-new-tokens", str(args.max_new_tokens), "--vllm-gpu-memory", str(args.vllm_gpu_memory),
              "--max-tokens-per-microbatch", str(args.max_tokens_per_microbatch)]
     flags += ["--activation-checkpointing"] if args.activation_checkpointing else []
@@ -366,7 +367,7 @@ def script_run(gpus: int, model: Path, workdir: Path, args) -> dict:
               for tag in [f"time/{p}" for p in PHASES] + ["parity/mismatched_tokens", "reward/completion_tokens_mean"]}
     out = {p: statistics.mean(series[f"time/{p}"]) for p in PHASES}
     out["step"] = sum(out[p] for p in PHASES)
-    out["tokens_per_s"] = statistics.mean(series["reward/completion_tokens_mean"]) * args.prompts * args.samples / out["step"]
+    out["tokens_per_s"] = statistics.mean(series["reward/completion_tokens_mean"]) * prompts * args.samples / out["step"]
     out["mismatched_tokens"] = [int(n) for n in series["parity/mismatched_tokens"]]
     return out | peak
 
@@ -385,17 +386,21 @@ def scaling_benchmark(args) -> dict:
                         "--gsm8k", str(args.gsm8k)], check=True)
         results = {n: script_run(n, model, workdir, args) for n in (1, args.gpus)}
     one, many = results[1], results[args.gpus]
-    print(f"\nsimple_rl.py, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), {args.prompts} prompts x {args.samples} samples, up to "
+    print(f"\nsimple_rl.py, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), {args.prompts} prompts{' per GPU' if args.weak else ''} x {args.samples} samples, up to "
           f"{args.max_new_tokens} new tokens, {torch.cuda.get_device_name()}; means of {args.iters} steps after the first")
     print(f"  {'':<8}" + "".join(f"{p:>11}" for p in (*PHASES, "step")) + f"{'tokens/s':>11}   peak GPU memory")
     for n, r in results.items():
         print(f"  {n} GPU{'s' if n > 1 else ' '}" + "".join(f"{r[p]:>10.2f}s" for p in (*PHASES, "step"))
               + f"{r['tokens_per_s']:>11,.0f}   " + " / ".join(f"{g:.1f}" for g in r["peak_gib"]) + " GiB")
-    print(f"  {args.gpus} GPUs / 1 GPU: throughput {one['step'] / many['step']:.2f}x (generate "
-          f"{one['generate'] / many['generate']:.2f}x, train {one['train'] / many['train']:.2f}x)")
+    if args.weak:
+        print(f"  {args.gpus} GPUs / 1 GPU, {args.gpus}x the prompts: throughput "
+              f"{many['tokens_per_s'] / one['tokens_per_s']:.2f}x")
+    else:
+        print(f"  {args.gpus} GPUs / 1 GPU: throughput {one['step'] / many['step']:.2f}x (generate "
+              f"{one['generate'] / many['generate']:.2f}x, train {one['train'] / many['train']:.2f}x)")
     for n, r in results.items():
         print(f"  mismatched tokens per step, {n} GPU{'s' if n > 1 else ''}: {r['mismatched_tokens']}")
-    results["speedup"] = one["step"] / many["step"]
+    results["speedup"] = many["tokens_per_s"] / one["tokens_per_s"]
     return results
 
 
@@ -508,6 +513,7 @@ def main():
         "--profile", action="store_true", help="also print the trainer step's top CUDA kernels"
     )
     parser.add_argument("--gpus", type=int, help="the scaling benchmark: simple_rl.py on 1 GPU, then on this many")
+    parser.add_argument("--weak", action="store_true", help="with --gpus N: N x --prompts on the N GPUs")
     parser.add_argument("--write-model", type=Path, metavar="DIR")
     parser.add_argument("--gsm8k", type=Path, help="GSM8K train jsonl for --write-model's tokenizer (and --gpus)")
     args = parser.parse_args()
