@@ -25,8 +25,9 @@ whole process; this one holds none).
 Scaling benchmark (--gpus N). simple_rl.py itself, end to end, on a random model of --shape with a
 tokenizer trained on --gsm8k (also its questions): first `python simple_rl.py` on one GPU, then
 `torchrun --nproc-per-node N simple_rl.py` on N, with the same flags (the step benchmark's, and
---eval-every 0; with --weak, N times the prompts on N GPUs). The figures are the script's own phase times and mismatch counts, read from its
-TensorBoard run, means of the steps after the first; peak memory is each GPU's, from nvidia-smi.
+--eval-every 0; with --weak, N times the prompts on N GPUs). The figures are the script's own phase
+times and mismatch counts, read from its TensorBoard run, means of the steps after the first; peak
+memory is each GPU's, from nvidia-smi.
 """
 
 import argparse
@@ -67,9 +68,10 @@ def peak_gpu_memory(out: dict, gpus: list[str] | None = None):
     maximum in GiB of each of `gpus` (default: the first visible one) goes to out["peak_gib"], a list.
     nvidia-smi polls from its own process, so the polling takes no time from the processes measured."""
     gpus = gpus or visible_gpus()[:1]
-    query = ["nvidia-smi", "-i", ",".join(gpus), "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+    query = ["nvidia-smi", "-i", ",".join(gpus), "--query-gpu=index,memory.used",
+             "--format=csv,noheader,nounits", "-lms", "20"]
     with tempfile.TemporaryFile("w+") as log:
-        smi = subprocess.Popen([*query, "-lms", "20"], stdout=log)
+        smi = subprocess.Popen(query, stdout=log)
         try:
             yield
         finally:
@@ -77,9 +79,9 @@ def peak_gpu_memory(out: dict, gpus: list[str] | None = None):
             smi.wait()
             log.seek(0)
             peaks = {}
-            for line in log.read().splitlines():
-                index, used = line.split(", ") if ", " in line else (None, None)
-                if used and used.strip().isdigit():
+            for line in log.read().splitlines():  # "index, MiB"
+                index, _, used = line.partition(", ")
+                if used.strip().isdigit():
                     peaks[index] = max(peaks.get(index, 0), int(used) / 1024)
             out["peak_gib"] = [peaks[i] for i in sorted(peaks, key=int)]
 
@@ -363,20 +365,22 @@ def script_run(gpus: int, model: Path, workdir: Path, args) -> dict:
                        check=True)
     shutil.rmtree(workdir / "checkpoints")  # the run's final checkpoint: disk, not part of a step
     events = EventAccumulator(str(workdir / "runs" / name)).Reload()
-    series = {tag: [e.value for e in events.Scalars(tag)][1:]  # the first step warms up
-              for tag in [f"time/{p}" for p in PHASES] + ["parity/mismatched_tokens", "reward/completion_tokens_mean"]}
+    tags = [f"time/{p}" for p in PHASES] + ["parity/mismatched_tokens", "reward/completion_tokens_mean"]
+    series = {tag: [e.value for e in events.Scalars(tag)][1:] for tag in tags}  # the first step warms up
     out = {p: statistics.mean(series[f"time/{p}"]) for p in PHASES}
     out["step"] = sum(out[p] for p in PHASES)
-    out["tokens_per_s"] = statistics.mean(series["reward/completion_tokens_mean"]) * prompts * args.samples / out["step"]
+    generated = statistics.mean(series["reward/completion_tokens_mean"]) * prompts * args.samples
+    out["tokens_per_s"] = generated / out["step"]
     out["mismatched_tokens"] = [int(n) for n in series["parity/mismatched_tokens"]]
     return out | peak
 
 
 def scaling_benchmark(args) -> dict:
     if args.gsm8k is None:
-        raise SystemExit("--gpus needs --gsm8k: the GSM8K train jsonl (the script's questions, the tokenizer's text)")
-    if args.gpus < 2 or len(visible_gpus()) < args.gpus:
-        raise SystemExit(f"--gpus {args.gpus}: give 2 or more, at most the {len(visible_gpus())} GPUs visible")
+        raise SystemExit("--gpus needs --gsm8k: the GSM8K train jsonl (the questions and the tokenizer's text)")
+    visible = len(visible_gpus())
+    if not 2 <= args.gpus <= visible:
+        raise SystemExit(f"--gpus {args.gpus}: give 2 or more, at most the {visible} GPUs visible")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         # Written by another process: this one holds no GPU memory while the runs are measured.
@@ -386,8 +390,11 @@ def scaling_benchmark(args) -> dict:
                         "--gsm8k", str(args.gsm8k)], check=True)
         results = {n: script_run(n, model, workdir, args) for n in (1, args.gpus)}
     one, many = results[1], results[args.gpus]
-    print(f"\nsimple_rl.py, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), {args.prompts} prompts{' per GPU' if args.weak else ''} x {args.samples} samples, up to "
-          f"{args.max_new_tokens} new tokens, {torch.cuda.get_device_name()}; means of {args.iters} steps after the first")
+    n_layers = args.layers or SHAPES[args.shape]["layers"]
+    per_gpu = " per GPU" if args.weak else ""
+    print(f"\nsimple_rl.py, Qwen3-{args.shape} shape ({n_layers} layers), {args.prompts} prompts{per_gpu} x "
+          f"{args.samples} samples, up to {args.max_new_tokens} new tokens, {torch.cuda.get_device_name()}; "
+          f"means of {args.iters} steps after the first")
     print(f"  {'':<8}" + "".join(f"{p:>11}" for p in (*PHASES, "step")) + f"{'tokens/s':>11}   peak GPU memory")
     for n, r in results.items():
         print(f"  {n} GPU{'s' if n > 1 else ' '}" + "".join(f"{r[p]:>10.2f}s" for p in (*PHASES, "step"))
