@@ -1357,16 +1357,17 @@ def whole_step(rollouts: Rollouts, trainer_logprobs: list) -> tuple[Rollouts, li
     """Every rank's samples of the step and their trainer logprobs, in rank order, which is the step's
     sample order: under torchrun the parity check and the metrics see the whole step, as on one GPU."""
     r = rollouts
+    prompt_lens, completion_lens = (all_ranks_cat(torch.tensor([len(s) for s in seqs], dtype=torch.int64)).tolist()
+                                    for seqs in (r.prompts, r.completions))
 
-    def gathered(pieces: list, dtype: torch.dtype) -> list[torch.Tensor]:  # every rank's pieces, 1-D each
-        lengths = all_ranks_cat(torch.tensor([len(p) for p in pieces], dtype=torch.int64))
-        flat = torch.cat([torch.as_tensor(p, dtype=dtype) for p in pieces])
-        return list(all_ranks_cat(flat).split(lengths.tolist()))
+    def gathered(pieces: list, dtype: torch.dtype, lengths: list[int]) -> list[torch.Tensor]:
+        return list(all_ranks_cat(torch.cat([torch.as_tensor(p, dtype=dtype) for p in pieces])).split(lengths))
 
-    prompts, completions = ([t.tolist() for t in gathered(ids, torch.int64)] for ids in (r.prompts, r.completions))
-    step = Rollouts(prompts, completions, gathered(r.vllm_logprobs, torch.float32), all_ranks_cat(r.rewards),
-                    all_ranks_cat(r.advantages))
-    return step, gathered(trainer_logprobs, torch.float32)
+    prompts = [t.tolist() for t in gathered(r.prompts, torch.int64, prompt_lens)]
+    completions = [t.tolist() for t in gathered(r.completions, torch.int64, completion_lens)]
+    step = Rollouts(prompts, completions, gathered(r.vllm_logprobs, torch.float32, completion_lens),
+                    all_ranks_cat(r.rewards), all_ranks_cat(r.advantages))
+    return step, gathered(trainer_logprobs, torch.float32, completion_lens)
 
 
 @torch.no_grad()
