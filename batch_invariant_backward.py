@@ -12,6 +12,7 @@ or `REFERENCE` (the plain-PyTorch functions under ordinary autograd, the ground 
 Shapes: T tokens packed back to back (no padding), H query heads, Hk key/value heads, D head dim.
 """
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -92,33 +93,155 @@ def attention_reference(q, k, v, cu_seqlens, scale):
     return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
 
 
+def tempered_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of the bf16 logits (rows, V) divided by the temperature (an fp32 tensor), as vLLM 0.20's
+    V2 sampler divides them (its Triton kernel on CUDA; at T = 1 it does nothing)."""
+    x = logits.to(_acc(logits.dtype), copy=True)  # fp32 (fp64 in gradchecks); the kept logits stay as they are
+    if not x.is_cuda:
+        return x / temperature
+    from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
+
+    apply_temperature(x, torch.zeros(len(x), dtype=torch.int32, device=x.device), temperature.reshape(1))
+    return x
+
+
+def truncated(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The tempered logits (rows, V) with the tokens outside the top-k and the top-p set at -inf, as vLLM's
+    sampler masks them: `top_k_top_p`, in place, on CUDA; elsewhere, and under autograd, vLLM's sort-based
+    version of the same math. top_k 0 and top_p 1 keep every token."""
+    k = torch.full((len(x),), top_k, dtype=torch.int32, device=x.device) if top_k else None
+    p = torch.full((len(x),), top_p, dtype=torch.float32, device=x.device) if top_p < 1 else None
+    if k is None and p is None:
+        return x
+    if x.is_cuda and not x.requires_grad:
+        return top_k_top_p(x, k, p)
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    dropped = apply_top_k_top_p_pytorch(x.detach().clone(), k, p) == float("-inf")  # the sort is not autograd's
+    return x.masked_fill(dropped, float("-inf"))
+
+
+def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """vLLM 0.20's Triton top-k/top-p (`apply_top_k_top_p_triton`, one row at a time), for any number of
+    rows. vLLM's own `apply_top_k_top_p` runs it from 8 rows up and a sort below, so a sequence's kept set
+    could depend on how many sequences shared its decode step; simple_rl.py installs this in the engine,
+    and the trainer runs it too. Masks (rows, V) fp32 logits in place, and returns them."""
+    if k is None and p is None:
+        return logits
+    from vllm.v1.sample.ops.topk_topp_triton import apply_top_k_top_p_triton
+
+    return apply_top_k_top_p_triton(logits, k, p)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) (rows, V) fp32 at `targets` (rows,): on CUDA vLLM's V2 sampler kernel for the
+    sampled token's logprob (`compute_token_logprobs`, one row at a time)."""
+    if logits.is_cuda:
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+        return compute_token_logprobs(logits, targets[:, None])[:, 0]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
+    """-sum p log p per row of (rows, V) logprobs; the tokens outside a top-k/top-p set (-inf) add 0."""
+    return -(logprobs.exp() * logprobs.masked_fill(logprobs == float("-inf"), 0)).sum(-1)
+
+
+def sampled_distribution(logits, targets, temperature: torch.Tensor, top_k: int, top_p: float):
+    """For a chunk of bf16 logits (rows, V) and the tokens sampled from them (rows,): the tokens' logprobs,
+    the entropy, the number of tokens kept and the probability top-k/top-p cut from softmax(logits / T),
+    each (rows,), under the distribution vLLM samples from. With every token kept, the last two are V and
+    0 without a pass over the logits."""
+    x = tempered_logits(logits, temperature)
+    kept, cut = torch.full_like(targets, x.shape[1]), torch.zeros_like(x[:, 0])
+    if top_k or top_p < 1:
+        before = torch.logsumexp(x, dim=-1)
+        x = truncated(x, top_k, top_p)
+        kept, cut = (x > float("-inf")).sum(-1), 1 - torch.exp(torch.logsumexp(x, dim=-1) - before)
+    return token_logprobs(x, targets), entropy_of(torch.log_softmax(x, dim=-1)), kept, cut
+
+
 def lm_head_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               temperature: float = 1.0):
-    """hidden (C, dim), lm_head weight (V, dim), targets (C,) -> logprob of each target (C,) and
-    entropy of each row (C,) under softmax(z / temperature), z the fp32 copy of the logits (C, V)."""
-    logits = linear_reference(hidden, weight).to(_acc(hidden.dtype))
-    logprobs = torch.log_softmax(logits / torch.tensor(temperature, dtype=logits.dtype), dim=-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
-    return logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy
+                               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """hidden (C, dim), lm_head weight (V, dim), targets (C,) -> what `sampled_distribution` gives for their
+    logits, in plain PyTorch under autograd on any device."""
+    x = linear_reference(hidden, weight).to(_acc(hidden.dtype)) / torch.tensor(temperature, dtype=_acc(hidden.dtype))
+    before = torch.logsumexp(x.detach(), dim=-1)
+    x = truncated(x, top_k, top_p)
+    logprobs = torch.log_softmax(x, dim=-1)
+    cut = 1 - torch.exp(torch.logsumexp(x.detach(), dim=-1) - before)
+    return logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy_of(logprobs), (x > float("-inf")).sum(-1), cut
 
 
 # ---------------------------------------------------------------------------------------------
-# Autograd Functions: vLLM's kernel forward on CUDA, reference forward on the CPU
+# The batch-invariant matmul, tiled for the number of rows
 # ---------------------------------------------------------------------------------------------
+
+
+def matmul_tiles(M: int, N: int, K: int, num_sms: int) -> dict:
+    """The tiles `tiled_linear` launches vLLM's persistent matmul with, for (M, K) @ (K, N) in bf16.
+    vLLM 0.20 uses 128 x 128 tiles for every M: a decode step's projections (M = the sequences decoding)
+    then get N / 128 tiles, 16 for a 2048-wide output, and leave most SMs idle. Here, at up to 512 rows,
+    a tile is as tall as the rows need, and as wide as 2^18 / K columns (a tile's K loop reads a bounded
+    slice of the weight) but narrower while fewer than a fifth of the SMs would get a tile; from 512 rows
+    on, 128 x 256 tiles run near cuBLAS's speed. Chosen from a sweep of 57 tile shapes over the Qwen3-1.7B
+    projections on an H100 (`bench.py --kernels --sweep`). Only BLOCK_SIZE_K fixes the order of the fp32
+    sums, so every choice gives the same bits (tests/test_gpu.py checks that)."""
+    if M > 512:
+        return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, num_warps=8, num_stages=3)
+    block_m = min(128, max(16, 1 << (M - 1).bit_length()))  # the power of 2 that holds M rows
+    rows = -(-M // block_m)
+    if block_m == 128 and rows * -(-N // 256) >= num_sms // 2:
+        block_n = 256  # enough columns for wide tiles (gate/up and lm_head at 256 rows)
+    else:
+        block_n = 128 if K <= 2048 else 64 if K <= 4096 else 32
+        while block_n > 16 and rows * -(-N // block_n) < num_sms // 5:
+            block_n //= 2
+    return dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, num_warps=8 if block_m * block_n >= 128 * 128 else 4,
+                num_stages=4)
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 tiles: dict | None = None) -> torch.Tensor:
+    """x (..., K) @ weight (N, K)^T -> (..., N): vLLM 0.20's batch-invariant linear
+    (`linear_batch_invariant`, Triton `matmul_kernel_persistent`: fp32 sums over K in 64-wide steps,
+    one rounding) with its tiles chosen by `matmul_tiles` (or given), so the same bits, sooner. The
+    engine serves every linear layer with it (simple_rl.py installs it) and the trainer's forward
+    runs it. Other dtypes go to vLLM's own launch."""
+    from vllm.model_executor.layers.batch_invariant import matmul_kernel_persistent, matmul_persistent
+
+    if x.dtype != torch.bfloat16:
+        out = matmul_persistent(x.reshape(-1, x.shape[-1]), weight.t())
+    else:
+        a, b = x.reshape(-1, x.shape[-1]), weight.t()  # (M, K), (K, N)
+        (M, K), N = a.shape, b.shape[1]
+        out = torch.empty((M, N), device=a.device, dtype=a.dtype)
+        num_sms = _num_sms(a.device)
+        config = tiles or matmul_tiles(M, N, K, num_sms)
+        grid = (min(num_sms, -(-M // config["BLOCK_SIZE_M"]) * -(-N // config["BLOCK_SIZE_N"])),)
+        matmul_kernel_persistent[grid](
+            a, b, out, None, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            out.stride(0), out.stride(1), BLOCK_SIZE_K=64, GROUP_SIZE_M=8, NUM_SMS=num_sms,
+            A_LARGE=a.numel() > 2**31, B_LARGE=b.numel() > 2**31, C_LARGE=out.numel() > 2**31,
+            HAS_BIAS=False, **config)  # fmt: skip
+    out = out.reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias  # as vLLM adds a bias: after the matmul
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
-        from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
-
-        return linear_batch_invariant(x, weight)
-    return linear_reference(x, weight)
+    return tiled_linear(x, weight) if x.is_cuda else linear_reference(x, weight)
 
 
 class BatchInvariantLinear(torch.autograd.Function):
-    """`vllm.model_executor.layers.batch_invariant.linear_batch_invariant`: vLLM's Triton persistent
-    matmul (fp32 accumulation, tiles fixed whatever the number of rows), the op behind every linear
-    layer of vLLM in batch-invariant mode. Backward: dx = dy @ W and dW = dy^T @ x (cuBLAS)."""
+    """`tiled_linear`: vLLM's Triton persistent matmul (fp32 accumulation in a fixed order whatever the
+    number of rows), the op behind every linear layer of vLLM in batch-invariant mode.
+    Backward: dx = dy @ W and dW = dy^T @ x (cuBLAS)."""
 
     @staticmethod
     def forward(ctx, x, weight):
@@ -312,45 +435,37 @@ def _attention_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens, scale
 
 
 class LMHeadLogprobs(torch.autograd.Function):
-    """lm_head and the sampler's logprobs, fused. `linear_batch_invariant` gives the bf16 logits z
-    of all rows (vLLM's lm_head). Then, a chunk of rows at a time, their fp32 copy is divided by the
-    temperature, a tensor as vLLM's sampler divides, and vLLM's batch-invariant Triton `log_softmax`
-    gives the logprobs of softmax(z / T) (vLLM's processed logprobs), gathered at the targets, plus
-    each row's entropy. The kernels compute a row the same way whatever the other rows, so chunking
-    changes no bit. Only the bf16 (C, V) logits are kept for the backward: the fp32 (rows, V)
-    temporaries exist for one chunk at a time, never for the whole micro-batch.
-    Backward, per chunk: with p = softmax(z / T) from the kept logits,
-    dz = (g_lp * (onehot(t) - p) - g_H * p * (log p + H)) / T, rounded to bf16; then dh = dz @ W and
-    dW = dz^T @ h, one cuBLAS matmul each over all rows (fp32 accumulation, one rounding). The entropy
-    term is skipped when nothing depends on the entropy."""
+    """lm_head and the sampler's logprobs, fused. `tiled_linear` gives the bf16 logits z of all rows
+    (vLLM's lm_head). Then, a chunk of rows at a time, `sampled_distribution` makes them what vLLM's sampler
+    samples from (divided by the temperature, top-k/top-p masked), and vLLM's logprob kernel gives the
+    logprob of each target under that distribution (vLLM's processed logprobs), plus each row's entropy.
+    The kernels compute a row the same way whatever the other rows, so chunking changes no bit. Only the
+    bf16 (C, V) logits are kept for the backward: the fp32 (rows, V) temporaries exist for one chunk at
+    a time, never for the whole micro-batch.
+    Backward, per chunk: with p the sampled distribution recomputed from the kept logits (0 outside the
+    kept set, whose tokens so get no gradient), dz = (g_lp * (onehot(t) - p) - g_H * p * (log p + H)) / T,
+    rounded to bf16; then dh = dz @ W and dW = dz^T @ h, one cuBLAS matmul each over all rows (fp32
+    accumulation, one rounding). The entropy term is skipped when nothing depends on the entropy."""
 
     ROWS_PER_CHUNK_TIMES_VOCAB = 2**27  # 0.5 GiB per fp32 temporary
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float):
+    def forward(ctx, hidden, weight, targets, temperature: float, top_k: int = 0, top_p: float = 1.0):
         rows = max(1, LMHeadLogprobs.ROWS_PER_CHUNK_TIMES_VOCAB // weight.shape[0])
         # Dividing by a Python float would multiply by its reciprocal: other bits than vLLM's division.
         temp = torch.tensor(temperature, dtype=_acc(hidden.dtype), device=hidden.device)
         logits = _linear_forward(hidden, weight)  # (C, V)
-        logprobs, entropy = [], []
-        for z, t in zip(logits.split(rows), targets.split(rows)):
-            scaled = z.to(temp.dtype) / temp  # (rows, V)
-            if z.is_cuda:
-                from vllm.model_executor.layers.batch_invariant import log_softmax
-
-                lp = log_softmax(scaled)
-            else:
-                lp = torch.log_softmax(scaled, dim=-1)
-            logprobs.append(lp.gather(-1, t[:, None]).squeeze(-1))
-            entropy.append(-(lp.exp() * lp).sum(-1))
-        logprobs, entropy = torch.cat(logprobs), torch.cat(entropy)
+        chunks = [sampled_distribution(z, t, temp, top_k, top_p)
+                  for z, t in zip(logits.split(rows), targets.split(rows))]
+        logprobs, entropy, kept, cut = (torch.cat(parts) for parts in zip(*chunks))
         ctx.save_for_backward(hidden, weight, targets, entropy, temp, logits)
-        ctx.rows = rows
+        ctx.rows, ctx.top_k, ctx.top_p = rows, top_k, top_p
+        ctx.mark_non_differentiable(kept, cut)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-        return logprobs, entropy
+        return logprobs, entropy, kept, cut
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx, grad_logprobs, grad_entropy, *_):
         hidden, weight, targets, entropy, temp, logits = ctx.saved_tensors
         acc = _acc(hidden.dtype)
         n = hidden.shape[0]
@@ -358,14 +473,16 @@ class LMHeadLogprobs(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for i in range(0, n, ctx.rows):
             rows = slice(i, i + ctx.rows)
-            lp = torch.log_softmax(logits[rows].to(acc) / temp, dim=-1)
+            x = truncated(tempered_logits(logits[rows], temp), ctx.top_k, ctx.top_p)
+            lp = torch.log_softmax(x.to(acc), dim=-1)
             if grad_entropy is None:
                 grad = lp.exp_().mul_(-g_lp[rows, None])  # -p * g_lp
             else:
-                g_ent = grad_entropy[rows, None]
-                grad = (lp + entropy[rows, None]).mul_(g_ent).add_(g_lp[rows, None]).mul_(-lp.exp())
+                p = lp.exp()
+                lp.masked_fill_(p == 0, 0)  # -inf outside the kept set, where p is 0
+                grad = (lp + entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(g_lp[rows, None]).mul_(-p)
             grad_logits[rows] = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None]).div_(temp)
-        return grad_logits @ weight, grad_logits.t() @ hidden, None, None
+        return grad_logits @ weight, grad_logits.t() @ hidden, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -235,7 +235,7 @@ def standard_step_runner(ckpt: Path, args):
                 vllm.SamplingParams(
                     temperature=1.0,
                     max_tokens=args.max_new_tokens,
-                    seed=s,
+                    seed=s if args.seeded_standard else None,  # a standard RL run samples unseeded
                     logprobs=0,
                     detokenize=False,
                     ignore_eos=True,
@@ -481,6 +481,213 @@ def trainer_benchmark(args) -> dict:
     return results
 
 
+# --- the batch-invariant matmul: vLLM's tiles, tiled_linear's, cuBLAS ------------------------------
+
+
+def gemm_shapes(shape: str) -> dict:
+    """(N, K) of every linear of a Qwen3 shape: merged q/k/v, o_proj, merged gate/up, down_proj, lm_head."""
+    c = shape_config(shape)
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    d, i = c["hidden_size"], c["intermediate_size"]
+    return {"qkv": (q + 2 * kv, d), "o_proj": (d, q), "gate_up": (2 * i, d), "down": (d, i),
+            "lm_head": (c["vocab_size"], d)}
+
+
+def gemm_methods():
+    from vllm.model_executor.layers.batch_invariant import matmul_persistent
+
+    from batch_invariant_backward import tiled_linear
+
+    return {"vllm tiles": lambda x, w: matmul_persistent(x, w.t()), "tiled_linear": tiled_linear,
+            "cuBLAS": torch.nn.functional.linear}
+
+
+def decode_gemms_ms(weights: list, m: int, method, replays: int = 20) -> float:
+    """Milliseconds of one decode step's GEMMs (every layer's, then lm_head's) at m rows, replayed as one
+    CUDA graph, as vLLM replays a decode step: no launch gaps, and each weight read from memory (the
+    layers' weights do not fit in L2)."""
+    inputs = {w.shape[1]: torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16) for w in weights}
+    for w in weights:  # compiles each kernel before the capture
+        method(inputs[w.shape[1]], w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            method(inputs[w.shape[1]], w)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def kernel_benchmark(args) -> dict:
+    """vLLM 0.20's batch-invariant matmul with its fixed tiles, with tiled_linear's tiles, and cuBLAS: a
+    decode step's GEMMs (--shape, all its layers) at 1-256 rows, TFLOP/s at training sizes, and the bits
+    of tiled_linear against vLLM's, which must be equal."""
+    import triton
+
+    from batch_invariant_backward import matmul_tiles
+
+    methods, shapes = gemm_methods(), gemm_shapes(args.shape)
+    n_layers = args.layers or SHAPES[args.shape]["layers"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def weight(n, k):
+        return (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+
+    layers = [weight(*shapes[name]) for _ in range(n_layers) for name in ("qkv", "o_proj", "gate_up", "down")]
+    step = layers + [weight(*shapes["lm_head"])]
+    results = {"decode_ms": {}, "tflops": {}, "device": torch.cuda.get_device_name()}
+    print(f"\nOne decode step's GEMMs, Qwen3-{args.shape} shape ({n_layers} layers + lm_head), "
+          f"{results['device']}, CUDA graph replays")
+    print(f"  {'rows':>6}" + "".join(f"{name:>14}" for name in methods) + "   tiled / cuBLAS   tiled / vllm")
+    for m in (1, 8, 32, 64, 128, 256):
+        ms = {name: decode_gemms_ms(step, m, method) for name, method in methods.items()}
+        results["decode_ms"][m] = ms
+        print(f"  {m:>6}" + "".join(f"{t:>11.2f} ms" for t in ms.values())
+              + f"{ms['tiled_linear'] / ms['cuBLAS']:>15.2f}x{ms['tiled_linear'] / ms['vllm tiles']:>14.2f}x")
+    del layers, step
+    m = 8192
+    print(f"\nTFLOP/s at {m} rows (a training micro-batch)")
+    for name, (n, k) in shapes.items():
+        x, w = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), weight(n, k)
+        tflops = {label: 2 * m * n * k / triton.testing.do_bench(lambda: method(x, w)) / 1e9
+                  for label, method in methods.items()}
+        results["tflops"][name] = tflops
+        print(f"  {name:<8} N={n:<6} K={k:<5}" + "".join(f"{label:>14} {t:5.0f}" for label, t in tflops.items()))
+    # The same bits: every product tiled_linear computes equals vLLM's, over M from 1 to 32k.
+    differ, checked = 0, 0
+    for name, (n, k) in shapes.items():
+        w = weight(n, k)
+        for m in (1, 3, 16, 31, 33, 100, 128, 255, 257, 1000, 2049, 4097, 8192, 32768):
+            if name == "lm_head" and m > 8192:
+                continue
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ours, theirs = methods["tiled_linear"](x, w), methods["vllm tiles"](x, w)
+            differ += int((ours.view(torch.int16) != theirs.view(torch.int16)).sum())
+            checked += ours.numel()
+    results["differing_elements"] = differ
+    print(f"\ntiled_linear against vLLM's tiles: {differ} of {checked:,} output elements differ "
+          f"(tiles {sorted({tuple(matmul_tiles(m, n, k, 132).values()) for m in (1, 32, 256, 8192) for n, k in shapes.values()})})")
+    if args.sweep:
+        results["sweep"] = tile_sweep(shapes, weight)
+    return results
+
+
+def tile_sweep(shapes: dict, weight) -> dict:
+    """Every tile shape worth trying, at each GEMM and row count: its time (L2 flushed before each call,
+    as in a decode step) and whether its bits are vLLM's. Prints the fastest per GEMM and row count."""
+    import triton
+
+    from batch_invariant_backward import tiled_linear
+    from vllm.model_executor.layers.batch_invariant import matmul_persistent
+
+    candidates = [dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, num_warps=w, num_stages=s)
+                  for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128, 256) for w in (4, 8)
+                  for s in (3, 4) if (bm * 64 + 64 * bn) * 2 * s <= 200_000 and not (w == 8 and bm * bn < 4096)]
+    out, differ = {}, 0
+    for name, (n, k) in shapes.items():
+        w = weight(n, k)
+        for m in (1, 32, 64, 128, 256, 1024, 8192):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            reference = matmul_persistent(x, w.t())
+            timed = []
+            for tiles in candidates:
+                if tiles["BLOCK_SIZE_M"] > max(16, 2 * m) or (m >= 2048 and tiles["BLOCK_SIZE_M"] < 64):
+                    continue
+                try:
+                    y = tiled_linear(x, w, tiles=tiles)
+                except Exception:  # out of shared memory or registers
+                    continue
+                differ += int((y.view(torch.int16) != reference.view(torch.int16)).sum())
+                timed.append((triton.testing.do_bench(lambda: tiled_linear(x, w, tiles=tiles), warmup=3, rep=10),
+                              tuple(tiles.values())))
+            base = triton.testing.do_bench(lambda: matmul_persistent(x, w.t()), warmup=5, rep=20)
+            cublas = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, w), warmup=5, rep=20)
+            timed.sort()
+            out[f"{name} m={m}"] = {"vllm": base, "cublas": cublas, "best": timed[:3]}
+            print(f"  {name:<8} m={m:<5} vllm {base * 1e3:7.1f} us  cuBLAS {cublas * 1e3:7.1f} us  best "
+                  + "  ".join(f"{t * 1e3:.1f} us {c}" for t, c in timed[:3]), flush=True)
+    print(f"  sweep: {differ} differing elements over all tiles tried")
+    return out | {"differing_elements": differ}
+
+
+# --- a decode step of the engines ----------------------------------------------------------------
+
+DECODE_SIDES = ("decode-standard", "decode-exact-vllm-tiles", "decode-exact")
+
+
+def decode_side(side: str, args) -> dict:
+    """Milliseconds per decode step of one engine (random weights of --shape): `standard` is vLLM's
+    defaults (torch.compile and CUDA graphs) sampling from its own generator; the exact sides are
+    simple_rl.VLLMEngine (batch-invariant, CUDA graphs, a seed per request), with vLLM's tiles or
+    tiled_linear's. A step's time is that of 16 + 512 new tokens less that of 16, over 512 steps."""
+    from vllm import SamplingParams, TokensPrompt
+
+    directory = Path(tempfile.mkdtemp())
+    (directory / "config.json").write_text(json.dumps(shape_config(args.shape, args.layers)))
+    common = dict(gpu_memory_utilization=args.vllm_gpu_memory, max_model_len=1024, load_format="dummy")
+    if side == "decode-standard":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm
+
+        llm = vllm.LLM(model=str(directory), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                       enable_prefix_caching=False, max_num_seqs=256, **common)
+    else:
+        if side == "decode-exact-vllm-tiles":
+            simple_rl.serve_linears_with_tiled_matmul = lambda: None
+        llm = simple_rl.VLLMEngine(directory, seed=0, sleep_mode=False, **common).llm
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for n in (32, 256):
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 151936, (128,), generator=g).tolist())
+                   for _ in range(n)]
+
+        def generate(tokens: int) -> float:
+            params = [SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=0,
+                                     detokenize=False, seed=None if side == "decode-standard" else i)
+                      for i in range(n)]
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - start
+
+        generate(16)
+        short, long = generate(16), generate(528)
+        out[n] = (long - short) / 512 * 1e3
+        if args.profile and side == "decode-exact":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                generate(64)
+            print(f"[{side}, {n} sequences, 64 tokens] top kernels:")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70))
+    return out
+
+
+def decode_benchmark(args) -> dict:
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for side in args.decode or DECODE_SIDES:
+            env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
+            if side != "decode-standard":
+                env["VLLM_BATCH_INVARIANT"] = "1"
+            out = Path(tmp) / "side.json"
+            cmd = [sys.executable, __file__, "--shape", args.shape, *(["--layers", str(args.layers)] if args.layers else []),
+                   "--vllm-gpu-memory", str(args.vllm_gpu_memory), *(["--profile"] if args.profile else []),
+                   "--side", side, "--json", str(out)]
+            subprocess.run(cmd, env=env, check=True)
+            results[side.removeprefix("decode-")] = {int(n): ms for n, ms in json.loads(out.read_text()).items()}
+    print(f"\nA decode step, Qwen3-{args.shape} shape, {torch.cuda.get_device_name()}: ms per step")
+    print(f"  {'':<20}{'32 sequences':>14}{'256 sequences':>15}")
+    for side, ms in results.items():
+        print(f"  {side:<20}" + "".join(f"{ms[n]:>11.2f} ms" for n in (32, 256)))
+    for n in (32, 256) if len(results) == len(DECODE_SIDES) else ():
+        print(f"  exact / standard at {n}: {results['exact'][n] / results['standard'][n]:.2f}x "
+              f"(with vLLM's tiles: {results['exact-vllm-tiles'][n] / results['standard'][n]:.2f}x)")
+    return results
+
+
 def write_model(directory: Path, shape: str, gsm8k: Path, layers: int | None = None) -> None:
     """A random Qwen3 of a real shape with a tokenizer trained on GSM8K: `simple_rl.py --model` offline.
     Token ids past the tokenizer's 1,024 decode to nothing, so the random model's rewards are 0."""
@@ -507,7 +714,9 @@ def main():
     step.add_argument("--vllm-gpu-memory", type=float, default=defaults.vllm_gpu_memory)
     step.add_argument("--max-tokens-per-microbatch", type=int, default=defaults.max_tokens_per_microbatch)
     step.add_argument("--activation-checkpointing", action="store_true")
-    step.add_argument("--side", choices=["exact", "standard"], help=argparse.SUPPRESS)
+    step.add_argument("--seeded-standard", action="store_true",
+                      help="the standard side seeds each request too (vLLM 0.20 then draws noise per request)")
+    step.add_argument("--side", choices=["exact", "standard", *DECODE_SIDES], help=argparse.SUPPRESS)
     step.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     trainer = parser.add_argument_group("trainer-only benchmark")
     trainer.add_argument("--trainer-only", action="store_true")
@@ -516,6 +725,13 @@ def main():
     trainer.add_argument(
         "--profile", action="store_true", help="also print the trainer step's top CUDA kernels"
     )
+    kernels = parser.add_argument_group("kernel benchmarks")
+    kernels.add_argument("--kernels", action="store_true",
+                         help="decode-step GEMMs and training-size TFLOP/s: vLLM's tiles, tiled_linear's, cuBLAS")
+    kernels.add_argument("--sweep", action="store_true", help="with --kernels: time every tile shape")
+    kernels.add_argument("--decode", nargs="*", choices=DECODE_SIDES, metavar="SIDE",
+                         help="ms per decode step: the standard engine, the exact one with vLLM's and with our "
+                         f"tiles (default: all of {', '.join(DECODE_SIDES)})")
     parser.add_argument("--gpus", type=int, help="the scaling benchmark: simple_rl.py on 1 GPU, then on this many")
     parser.add_argument("--weak", action="store_true", help="with --gpus N: N x --prompts on the N GPUs")
     parser.add_argument("--write-model", type=Path, metavar="DIR")
@@ -526,8 +742,14 @@ def main():
     random.seed(0)
     if args.write_model:
         return write_model(args.write_model, args.shape, args.gsm8k, args.layers)
-    if args.side:
+    if args.side in DECODE_SIDES:
+        results = decode_side(args.side, args)
+    elif args.side:
         results = run_side(args.side, args.ckpt, args)
+    elif args.kernels:
+        results = kernel_benchmark(args)
+    elif args.decode is not None:
+        results = decode_benchmark(args)
     elif args.gpus:
         results = scaling_benchmark(args)
     elif args.trainer_only:

@@ -1,5 +1,11 @@
-"""Shared fixtures. Tests marked `gpu` need CUDA (and vLLM 0.20); without a GPU they are skipped."""
+"""Shared fixtures. Tests marked `gpu` need CUDA (and vLLM 0.20); without a GPU they are skipped.
 
+GSM8K for the tests: the first 400 train and 100 test rows of the real data set ship with them (tests/data;
+OpenAI's grade-school-math, MIT licence in tests/data/GSM8K_LICENSE), so every CPU test runs on a fresh
+clone. Where a test wants all of it: GSM8K_DIR, ../shared/data/gsm8k beside the checkout, or the hub if it
+answers at once."""
+
+import dataclasses
 import functools
 import json
 import os
@@ -14,8 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offline_demo import (qwen3_config, random_hf_weights, write_checkpoint, write_jsonl, write_model,  # noqa: E402, F401
                           write_tokenizer)
 
-# The real GSM8K jsonl files: ../shared/data/gsm8k beside the checkout (CI), or GSM8K_DIR; without
-# either, openai/gsm8k from the hub through `datasets`.
+SAMPLE_DIR = Path(__file__).resolve().parent / "data"
 GSM8K_DIR = Path(os.environ.get("GSM8K_DIR", Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"))
 
 
@@ -33,11 +38,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def start_engine(*args, kv_cache_gib: float | None = None, **kwargs):
-    """A simple_rl.VLLMEngine, one more in this process. vLLM keeps a process-global workspace that
-    a new engine replaces right after its memory snapshot; the old workspace's memory then comes back
-    during the new engine's profiling, which vLLM refuses. Drop it (and any dead engine) first. An
-    engine that is not the process's first gets a fixed KV cache (`kv_cache_gib`): sizing it from a
-    memory profile fails when the earlier engines' buffers move during the profile."""
+    """A simple_rl.VLLMEngine, one more in this process. vLLM keeps a process-global workspace that a new
+    engine replaces right after its memory snapshot; the old workspace's memory then comes back during the
+    new engine's profiling, which vLLM refuses. Drop it (and any dead engine) first. An engine that is not
+    the process's first gets a fixed KV cache (`kv_cache_gib`): sizing it from a memory profile fails when
+    the earlier engines' buffers move during the profile."""
     import gc
 
     import simple_rl
@@ -51,36 +56,59 @@ def start_engine(*args, kv_cache_gib: float | None = None, **kwargs):
     return simple_rl.VLLMEngine(*args, **kwargs)
 
 
-@functools.cache
-def _gsm8k(split: str) -> tuple[dict, ...]:
-    path = GSM8K_DIR / f"{split}.jsonl"
-    if path.is_file():
-        return tuple(json.loads(line) for line in path.read_text().splitlines())
-    try:
-        from datasets import load_dataset
-
-        rows = load_dataset("openai/gsm8k", "main", split=split)
-    except Exception as e:
-        pytest.skip(f"GSM8K is neither at {GSM8K_DIR} (set GSM8K_DIR) nor reachable on the hub "
-                    f"({type(e).__name__})")
-    return tuple({"question": r["question"], "answer": r["answer"]} for r in rows)
+def gsm8k_jsonl(split: str) -> Path:
+    """The shipped sample of the split ('train' or 'test'), a jsonl file for --dataset / --eval-dataset."""
+    return SAMPLE_DIR / f"gsm8k_{split}_sample.jsonl"
 
 
 def gsm8k_rows(split: str, n: int | None = None) -> list[dict]:
-    """The real GSM8K split ('train' or 'test'), the first n rows if n is given."""
-    rows = list(_gsm8k(split))
+    """The shipped sample's rows, the first n if n is given."""
+    rows = [json.loads(line) for line in gsm8k_jsonl(split).read_text().splitlines()]
     return rows[:n] if n else rows
 
 
-def gsm8k_jsonl(split: str, directory: Path) -> Path:
-    """A GSM8K jsonl file of the split: the local copy, else one written from the hub's rows."""
-    local = GSM8K_DIR / f"{split}.jsonl"
-    return local if local.is_file() else write_jsonl(directory / f"gsm8k_{split}.jsonl", gsm8k_rows(split))
+@functools.cache
+def hub_reachable() -> bool:
+    """Decided once, in at most two seconds: can the Hugging Face hub be reached?"""
+    import socket
+
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def full_gsm8k(split: str) -> list[dict] | None:
+    """All of GSM8K's split, from GSM8K_DIR or the hub; None where neither is."""
+    path = GSM8K_DIR / f"{split}.jsonl"
+    if path.is_file():
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    if not hub_reachable():
+        return None
+    from datasets import load_dataset
+
+    return [{"question": r["question"], "answer": r["answer"]} for r in load_dataset("openai/gsm8k", "main", split=split)]
+
+
+def make_args(**flags):
+    """simple_rl.Args from flat flag names, each put in its group: make_args(model=M, steps=3) is
+    Args(data=Data(model=M), optimizer=Optimizer(steps=3))."""
+    import simple_rl
+
+    groups = {f.name: f.default_factory for f in dataclasses.fields(simple_rl.Args)}
+    values = {group: {} for group in groups}
+    for name, value in flags.items():
+        group = next(g for g, cls in groups.items() if name in {f.name for f in dataclasses.fields(cls)})
+        values[group][name] = value
+    return simple_rl.Args(**{group: cls(**values[group]) for group, cls in groups.items()})
 
 
 def write_gsm8k_model(directory: Path, seed: int = 0, device="cpu", **config) -> Path:
-    """A random Qwen3 with a tokenizer trained on GSM8K: a complete, offline simple_rl.py --model."""
-    return write_model(directory, [r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train", 2000)], seed, device, **config)
+    """A random Qwen3 with a tokenizer trained on GSM8K: a complete, offline simple_rl.py --model. Its
+    head_dim is 128 unless given: simple_rl.py refuses head sizes whose attention vLLM computes otherwise."""
+    texts = [r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train")]
+    return write_model(directory, texts, seed, device, **{"head_dim": 128} | config)
 
 
 QWEN3_CHAT_TEMPLATE = (
@@ -98,12 +126,13 @@ enable_thinking=False an empty think block opening the assistant's turn, as Qwen
 def write_chat_model(directory: Path, device="cpu", **config) -> Path:
     """A random Qwen3 whose tokenizer (trained on GSM8K) has Qwen3's chat tokens and template: it ends
     a turn with <|im_end|>, its eos token, while config.json names <|endoftext|>, as Qwen3's do."""
-    texts = [r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train", 2000)]
+    texts = [r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train")]
     directory.mkdir(parents=True, exist_ok=True)
     hf_tok = write_tokenizer(directory, texts, special_tokens=("<|im_start|>", "<|im_end|>"), eos_token="<|im_end|>")
     hf_tok.add_tokens(["<think>", "</think>"])  # plain added tokens: they stay in decoded text, as in Qwen3
     hf_tok.chat_template = QWEN3_CHAT_TEMPLATE
     hf_tok.save_pretrained(directory)
     vocab = -(-len(hf_tok) // 64) * 64
-    config = qwen3_config(vocab=vocab, eos_token_id=hf_tok.convert_tokens_to_ids("<|endoftext|>"), **config)
+    config = qwen3_config(vocab=vocab, eos_token_id=hf_tok.convert_tokens_to_ids("<|endoftext|>"),
+                          **{"head_dim": 128} | config)
     return write_checkpoint(directory, config, device=device)

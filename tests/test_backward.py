@@ -21,6 +21,8 @@ def cases():
     T = int(cu[-1])
     angles = torch.rand(16, 3, dtype=torch.float64) * 6
     cache = torch.cat((angles.cos(), angles.sin()), dim=-1)  # (max positions, D/2 cos | D/2 sin)
+    hidden, weight = torch.randn(T, 6, **f64), torch.randn(40, 6, **f64)
+    top = (hidden @ weight.t()).argmax(-1)
     return {
         "linear": (bib.BatchInvariantLinear.apply, bib.linear_reference,
                    (torch.randn(T, 6, **f64), torch.randn(4, 6, **f64)), ()),
@@ -34,13 +36,17 @@ def cases():
                       (cu, max_len, 0.6)),
         "lm_head_logprobs": (bib.LMHeadLogprobs.apply, bib.lm_head_logprobs_reference,
                              (torch.randn(T, 6, **f64), torch.randn(11, 6, **f64)), (torch.randint(0, 11, (T,)), 0.7)),
+        # Top-k and top-p: the targets are each row's likeliest token, which every kept set holds.
+        "lm_head_logprobs_top_k_top_p": (bib.LMHeadLogprobs.apply, bib.lm_head_logprobs_reference,
+                                         (hidden, weight), (top, 0.6, 5, 0.9)),
     }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(cases()))
 def test_gradcheck(name):
     fn, _, inputs, extra = cases()[name]
-    assert torch.autograd.gradcheck(lambda *x: fn(*x, *extra), inputs)
+    differentiable = 2 if name.startswith("lm_head") else None  # not the kept-set size and cut mass
+    assert torch.autograd.gradcheck(lambda *x: fn(*x, *extra)[:differentiable], inputs)
 
 
 @pytest.mark.parametrize("name", list(cases()))
@@ -49,6 +55,9 @@ def test_backward_equals_autograd_of_reference(name):
     outs, ref_outs = fn(*inputs, *extra), reference(*inputs, *extra)
     outs = outs if isinstance(outs, tuple) else (outs,)
     ref_outs = ref_outs if isinstance(ref_outs, tuple) else (ref_outs,)
+    for o, r in zip(outs[2:], ref_outs[2:]):  # lm_head's kept-set size and cut mass
+        torch.testing.assert_close(o, r, rtol=1e-12, atol=1e-12)
+    outs, ref_outs = outs[:2], ref_outs[:2]
     torch.manual_seed(1)
     weights = [torch.randn_like(o) for o in outs]
     grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights)), inputs)
@@ -85,4 +94,24 @@ def test_lm_head_logprobs_backward_without_entropy_and_over_chunks(monkeypatch):
                                (hidden, weight))
     for g, r in zip(grads, refs):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda h, w: bib.LMHeadLogprobs.apply(h, w, targets, 1.3), (hidden, weight))
+    assert torch.autograd.gradcheck(lambda h, w: bib.LMHeadLogprobs.apply(h, w, targets, 1.3)[:2], (hidden, weight))
+
+
+def test_truncation_keeps_what_it_says_and_changes_nothing_when_off():
+    """Top-k keeps k tokens, top-p the fewest likeliest whose mass reaches p, the cut mass is the rest; with
+    k = 0 and p = 1 the logprobs are, bit for bit, log_softmax(z / T) of the fp32 logits."""
+    torch.manual_seed(2)
+    hidden, weight = torch.randn(6, 8), torch.randn(50, 8)
+    targets = (hidden @ weight.t()).argmax(-1)
+    logprobs, entropy, kept, cut = bib.LMHeadLogprobs.apply(hidden, weight, targets, 0.8, 0, 1.0)
+    by_hand = torch.log_softmax((hidden @ weight.t()).float() / torch.tensor(0.8), dim=-1)
+    assert torch.equal(logprobs, by_hand.gather(-1, targets[:, None]).squeeze(-1))
+    assert kept.tolist() == [50] * 6 and cut.tolist() == [0.0] * 6
+    _, _, kept, cut = bib.LMHeadLogprobs.apply(hidden, weight, targets, 0.8, 7, 1.0)
+    probs = by_hand.exp().sort(-1, descending=True).values
+    assert kept.tolist() == [7] * 6
+    torch.testing.assert_close(cut, 1 - probs[:, :7].sum(-1))
+    _, _, kept, cut = bib.LMHeadLogprobs.apply(hidden, weight, targets, 0.8, 0, 0.5)
+    needed = (probs.cumsum(-1) < 0.5).sum(-1) + 1  # the fewest tokens whose mass reaches 0.5
+    assert kept.tolist() == needed.tolist()
+    torch.testing.assert_close(cut, 1 - torch.stack([p[:n].sum() for p, n in zip(probs, needed)]))

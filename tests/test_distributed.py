@@ -5,11 +5,13 @@ gather the same Hugging Face weights and checksum."""
 import dataclasses
 import os
 import socket
+from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import gsm8k_rows, qwen3_config, write_checkpoint, write_gsm8k_model, write_jsonl
+from conftest import gsm8k_jsonl, make_args, qwen3_config, write_checkpoint, write_gsm8k_model
 
 import simple_rl
 
@@ -32,25 +34,24 @@ def step_rollouts(model) -> simple_rl.Rollouts:
                               rewards, simple_rl.group_advantages(rewards, G, True))
 
 
-def one_update(model_dir, rank: int, world: int) -> dict:
+def one_update(model_dir, rank: int, size: int) -> dict:
     model = simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32)
     rollouts = step_rollouts(model)
-    if world > 1:  # this rank's whole groups, as the script deals them
-        share = slice(rank * len(rollouts.prompts) // world, (rank + 1) * len(rollouts.prompts) // world)
+    world = simple_rl.World(rank, size)
+    if size > 1:  # this rank's whole groups, as the script deals them
+        share = world.share(len(rollouts.prompts))
         rollouts = simple_rl.Rollouts(*(getattr(rollouts, f.name)[share] for f in dataclasses.fields(rollouts)))
-        simple_rl.shard_model(model)
-    checksum = simple_rl.trainer_checksum(model)  # of the whole weights, from the shards
-    # A checkpoint's tensors are gathered by every rank but kept on the host by rank 0 alone.
-    kept = [simple_rl.whole(p) is not None for p in model.parameters()]  # all of them: each is a collective
-    assert kept == [rank == 0] * len(kept)
+        simple_rl.shard_model(model, world)
+    checksum = simple_rl.trainer_checksum(model, world)  # of the whole weights, from the shards
     trace = simple_rl.trainer_trace(model, rollouts.prompts[0] + rollouts.completions[0])  # the locator's
     optimizer = simple_rl.MasterWeights(model, lr=1e-3, weight_decay=0.0)
     # Micro-batches of at most 40 tokens: the ranks cut their samples into different numbers of them.
-    args = simple_rl.Args(max_tokens_per_microbatch=40)
-    metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args)
-    grads = {name: simple_rl.full(m.grad).clone() for m, (name, _) in zip(optimizer.masters, optimizer.named)}
-    grad_norm, deltas = optimizer.step(1e-3, max_grad_norm=0.5)
-    weights = {name: simple_rl.full(p).detach().clone() for name, p in model.named_parameters()}
+    args = make_args(max_tokens_per_microbatch=40)
+    metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args, world)
+    grads = {name: simple_rl.gathered(m.grad).clone() for m, (name, _) in zip(optimizer.masters, optimizer.named)}
+    grad_norm = optimizer.update(1e-3, max_grad_norm=0.5)
+    deltas = optimizer.write_back(world)
+    weights = {name: simple_rl.gathered(p).detach().clone() for name, p in model.named_parameters()}
     hf = {name: w.clone() for name, w in simple_rl.hf_weights(model)}  # gathered one by one
     return {"weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas, "hf": hf,
             "grads": grads, "checksum": checksum, "trace": trace}
@@ -59,7 +60,7 @@ def one_update(model_dir, rank: int, world: int) -> dict:
 def worker(rank: int, world: int, port: int, model_dir, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
-    assert simple_rl.init_distributed("cpu") == world
+    assert simple_rl.init_distributed("cpu") == simple_rl.World(rank, world)
     result = one_update(model_dir, rank, world)
     if rank == 0:
         torch.save(result, out)
@@ -106,35 +107,55 @@ def model_weight(model_dir, name: str) -> torch.Tensor:
     return dict(simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32).named_parameters())[name].detach()
 
 
-def main_worker(rank: int, world: int, port: int, workdir, flags: dict) -> None:
-    from test_rl import TrainerAsSampler
+def main_worker(rank: int, world: int, port: int, workdir, flags: dict, dies: bool = False) -> None:
+    """simple_rl.main() as rank `rank` of `world` torchrun processes (with the test engine)."""
+    from test_rl import DiesInStep3, Killed, TrainerAsSampler
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     os.chdir(workdir)
-    simple_rl.main(simple_rl.Args(**flags), device="cpu", engine_class=TrainerAsSampler)
+    try:
+        simple_rl.main(make_args(**flags), device="cpu", engine_class=DiesInStep3 if dies else TrainerAsSampler)
+    except Killed:
+        pass
     dist.destroy_process_group()
 
 
-def test_the_script_under_torchrun_samples_what_one_process_samples(tmp_path, monkeypatch):
-    """main() in 2 processes (each its own engine, half of each step's questions, a sharded trainer and
-    a sharded reference policy) against one process: the same rollouts and rewards at step 0, the same
-    losses and gradient norm within bf16 reduction tolerance; rank 0 alone logs and writes the
-    checkpoint."""
-    from test_rl import TrainerAsSampler, scalar_series
+def run(world: int, workdir, flags: dict, dies: bool = False) -> None:
+    """main() in `world` processes (torchrun's environment, gloo), or in this one."""
+    if world == 1:
+        from test_rl import DiesInStep3, Killed, TrainerAsSampler
 
-    model_dir = write_gsm8k_model(tmp_path / "model")
-    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 40))
-    test = write_jsonl(tmp_path / "test.jsonl", gsm8k_rows("test", 10))
-    flags = dict(model=str(model_dir), dataset=str(train), eval_dataset=str(test), steps=2, prompts_per_step=4,
-                 samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400, max_tokens_per_microbatch=500,
-                 lr=1e-3, kl_coef=0.01, entropy_coef=0.01, eval_every=2, eval_samples=5, assert_bitwise=False,
-                 run_name="run")
+        cwd = os.getcwd()
+        os.chdir(workdir)
+        try:
+            simple_rl.main(make_args(**flags), device="cpu", engine_class=DiesInStep3 if dies else TrainerAsSampler)
+        except Killed:
+            pass
+        finally:
+            os.chdir(cwd)
+    else:
+        mp.spawn(main_worker, args=(world, free_port(), workdir, flags, dies), nprocs=world)
+
+
+def small_flags(model_dir, **flags) -> dict:
+    return dict(model=str(model_dir), dataset=str(gsm8k_jsonl("train")), eval_dataset=str(gsm8k_jsonl("test")),
+                samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400, max_tokens_per_microbatch=500,
+                lr=1e-3, kl_coef=0.01, entropy_coef=0.01, assert_bitwise=False) | flags
+
+
+def test_the_script_under_torchrun_samples_what_one_process_samples(tmp_path):
+    """main() in 2 processes (each its own engine, half of each step's questions, a sharded trainer and a
+    sharded reference policy) against one process: the same rollouts and rewards at step 0, the same losses
+    and gradient norm within bf16 reduction tolerance; rank 0 alone logs, and the checkpoint is written."""
+    from test_rl import scalar_series
+
+    flags = small_flags(write_gsm8k_model(tmp_path / "model"), steps=2, prompts_per_step=4, eval_every=2,
+                        eval_samples=5, run_name="run")
     for workdir in ("one", "two"):
         (tmp_path / workdir).mkdir()
-    monkeypatch.chdir(tmp_path / "one")
-    simple_rl.main(simple_rl.Args(**flags), device="cpu", engine_class=TrainerAsSampler)
-    mp.spawn(main_worker, args=(2, free_port(), tmp_path / "two", flags), nprocs=2)
+    run(1, tmp_path / "one", flags)
+    run(2, tmp_path / "two", flags)
 
     one, two = (scalar_series(tmp_path / d / "runs" / "run") for d in ("one", "two"))
     assert one.keys() == two.keys()
@@ -147,62 +168,99 @@ def test_the_script_under_torchrun_samples_what_one_process_samples(tmp_path, mo
         assert step == 0 and abs(a - b) <= 2e-2 * max(abs(a), 1e-3), (tag, a, b)
     assert one["train/grad_norm"][0][1] > 0 and one["train/grad_norm"][1][1] > 0
     checkpoint = tmp_path / "two" / "checkpoints" / "run" / "step_000002"
-    assert (checkpoint / "model.safetensors").is_file() and (checkpoint / simple_rl.RESUME_DIR / "state.pt").is_file()
-    assert simple_rl.load_qwen3(checkpoint, "cpu").args == simple_rl.load_qwen3(model_dir, "cpu").args
+    assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "training_state" / ".metadata").is_file()
+    assert simple_rl.load_qwen3(checkpoint, "cpu").args == simple_rl.load_qwen3(tmp_path / "model", "cpu").args
 
 
-class Killed(Exception):
-    pass
+def restore_worker(rank: int, world: int, port: int, checkpoint, model_dir, out) -> None:
+    """Restore a checkpoint's training state into a fresh trainer on `world` processes, and write what was
+    restored, gathered into whole tensors, to `out`."""
+    from test_rl import flat_tensors
+
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE=str(world))
+    place = simple_rl.init_distributed("cpu")
+    model = simple_rl.load_qwen3(checkpoint, "cpu")
+    if world > 1:
+        simple_rl.shard_model(model, place)
+    optimizer, ref_model = simple_rl.MasterWeights(model, 1e-3, 0.0), simple_rl.reference_policy(model, place)
+    simple_rl.restore_training_state(checkpoint, optimizer, ref_model, make_args(), place)
+    state = {k: simple_rl.gathered(v).clone() for k, v in flat_tensors(simple_rl.training_state(optimizer, ref_model)).items()}
+    if rank == 0:
+        torch.save(state, out)
+    if world > 1:
+        dist.destroy_process_group()
 
 
-def resume_worker(rank: int, world: int, port: int, workdir, flags: dict, die_in_step_3: bool) -> None:
-    from test_rl import TrainerAsSampler
+@pytest.mark.parametrize("saved_on, resumed_on", [(2, 2), (2, 1), (1, 2)])
+def test_a_killed_run_resumes_on_any_number_of_processes(tmp_path, saved_on, resumed_on):
+    """A run that dies in step 3 of 4 resumes from its step-2 checkpoint, whose training state each rank
+    wrote as its own shards. On as many processes it ends with the weights, training state and TensorBoard
+    scalars of the run that was never stopped; on another number, every restored tensor equals the saved one
+    bit for bit (the gradients are then summed in another order), and the run goes on to its last step."""
+    from safetensors.torch import load_file
+    from test_rl import flat_tensors, scalar_series, training_state
 
-    class DiesInStep3(TrainerAsSampler):
-        """Generation calls: eval, steps 0 and 1, eval, step 2, then step 3's rollout, which dies."""
+    flags = small_flags(write_gsm8k_model(tmp_path / "model"), steps=4, prompts_per_step=2, eval_every=2,
+                        eval_samples=4, save_every=2, keep_last=0)
+    if saved_on == resumed_on:
+        run(saved_on, tmp_path, flags | {"run_name": "whole"})
+    run(saved_on, tmp_path, flags | {"run_name": "killed"}, dies=True)
+    checkpoints = tmp_path / "checkpoints" / "killed"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002"]
+    saved = flat_tensors(training_state(checkpoints / "step_000002"))
+    if resumed_on == 1:
+        restore_worker(0, 1, 0, checkpoints / "step_000002", tmp_path / "model", tmp_path / "restored.pt")
+    else:
+        mp.spawn(restore_worker, args=(resumed_on, free_port(), checkpoints / "step_000002", tmp_path / "model",
+                                       tmp_path / "restored.pt"), nprocs=resumed_on)
+    restored = torch.load(tmp_path / "restored.pt")
+    assert restored.keys() == saved.keys() and all(torch.equal(restored[k], saved[k]) for k in saved)
 
-        def generate(self, *args, **kwargs):
-            if self.calls.count("generate") == 5:
-                raise Killed
-            return super().generate(*args, **kwargs)
+    run(resumed_on, tmp_path, flags | {"resume": str(checkpoints / "step_000002")})
+    resumed = checkpoints / "step_000004"
+    assert (resumed / "model.safetensors").is_file()
+    assert [step for step, _ in scalar_series(tmp_path / "runs" / "killed")["train/loss"]] == [0, 1, 2, 3]
+    if saved_on == resumed_on:
+        whole = tmp_path / "checkpoints" / "whole" / "step_000004"
+        a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+        assert all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+        x, y = flat_tensors(training_state(whole)), flat_tensors(training_state(resumed))
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        assert scalar_series(tmp_path / "runs" / "whole") == scalar_series(tmp_path / "runs" / "killed")
 
+
+def peak_rss_worker(rank: int, world: int, port: int, model_dir, out) -> None:
+    """Save a checkpoint from `world` processes; write what this rank's resident memory grew by while saving."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
-    os.chdir(workdir)
-    try:
-        simple_rl.main(simple_rl.Args(**flags), device="cpu",
-                       engine_class=DiesInStep3 if die_in_step_3 else TrainerAsSampler)
-    except Killed:
-        pass
+    place = simple_rl.init_distributed("cpu")
+    model = simple_rl.shard_model(simple_rl.load_qwen3(model_dir, "cpu"), place)
+    optimizer = simple_rl.MasterWeights(model, 1e-3, 0.0)
+    simple_rl.training_state(optimizer, None)  # AdamW's moments, as after a step
+    args = make_args(run_name="r", output_dir=str(out.parent / "checkpoints"), keep_last=0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set (VmHWM) starts again from here
+    before = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+    simple_rl.save_checkpoint(model, optimizer, None, SimpleNamespace(model_dir=model_dir), args, 1, {}, place)
+    peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+    (out.parent / f"rss_{rank}").write_text(str((peak - before) * 1024))
     dist.destroy_process_group()
 
 
-def test_a_killed_torchrun_run_resumes_bit_for_bit(tmp_path):
-    """2 processes: a run that dies in step 3 of 4, resumed from its step-2 checkpoint (whose training
-    state is whole tensors, gathered from the shards), ends with the weights, masters and TensorBoard
-    scalars of the run that was never stopped."""
-    from safetensors.torch import load_file
-    from test_rl import scalar_series
-
-    model_dir = write_gsm8k_model(tmp_path / "model")
-    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 40))
-    test = write_jsonl(tmp_path / "test.jsonl", gsm8k_rows("test", 10))
-    flags = dict(model=str(model_dir), dataset=str(train), eval_dataset=str(test), steps=4, prompts_per_step=2,
-                 samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400, max_tokens_per_microbatch=500,
-                 lr=1e-3, kl_coef=0.01, entropy_coef=0.01, eval_every=2, eval_samples=4, save_every=2,
-                 keep_last=0, assert_bitwise=False)
-    mp.spawn(resume_worker, args=(2, free_port(), tmp_path, flags | {"run_name": "whole"}, False), nprocs=2)
-    mp.spawn(resume_worker, args=(2, free_port(), tmp_path, flags | {"run_name": "killed"}, True), nprocs=2)
-    checkpoints = tmp_path / "checkpoints" / "killed"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002"]
-    resume = flags | {"resume": str(checkpoints / "step_000002")}
-    mp.spawn(resume_worker, args=(2, free_port(), tmp_path, resume, False), nprocs=2)
-
-    whole = tmp_path / "checkpoints" / "whole" / "step_000004"
-    for f in ("model.safetensors", "training_state/reference.safetensors"):
-        a, b = load_file(whole / f), load_file(checkpoints / "step_000004" / f)
-        assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
-    a, b = (torch.load(d / "training_state" / "state.pt", weights_only=True)
-            for d in (whole, checkpoints / "step_000004"))
-    assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"], strict=True))
-    assert scalar_series(tmp_path / "runs" / "whole") == scalar_series(tmp_path / "runs" / "killed")
+def test_saving_holds_no_more_than_a_shard_and_a_tensor(tmp_path):
+    """2 processes save a model whose training state (fp32 masters and AdamW's moments: 12 bytes a parameter,
+    6 a rank) dwarfs the rest: neither rank's resident memory grows by more than a third of the state while
+    saving. Gathering the state on rank 0 grew it by all of it."""
+    config = qwen3_config(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=128, intermediate=512, vocab=65536,
+                          tie=False)
+    model_dir = write_checkpoint(tmp_path / "model", config)
+    params = sum(p.numel() for p in simple_rl.load_qwen3(model_dir, "cpu").parameters())
+    mp.spawn(peak_rss_worker, args=(2, free_port(), model_dir, tmp_path / "out"), nprocs=2)
+    grown = [int((tmp_path / f"rss_{rank}").read_text()) for rank in (0, 1)]
+    state, largest = 12 * params, 2 * 65536 * 256  # bytes: the training state, and the largest bf16 weight
+    print(f"\n[save, 2 processes] training state {state / 2**20:.0f} MiB; resident memory grew by "
+          f"{grown[0] / 2**20:.0f} / {grown[1] / 2**20:.0f} MiB")
+    assert max(grown) < state / 3 + largest
+    assert (tmp_path / "checkpoints" / "r" / "step_000001" / "training_state" / ".metadata").is_file()

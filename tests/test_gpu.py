@@ -234,3 +234,37 @@ def test_gradients_match_autograd_within_bf16_tolerance(served):
         assert err <= 2 * baseline + 1e-3, f"{n}: {err:.2e} vs plain bf16 autograd {baseline:.2e}"
     worst = max(relative_error(grads["exact"][n], grads["fp32"][n]) for n in grads["fp32"])
     print(f"\n[{name}] worst gradient relative error vs fp32 autograd: {worst:.2e}")
+
+
+QWEN3_SHAPES = {  # hidden, intermediate, query heads, key/value heads (head_dim 128, vocabulary 151936)
+    "0.6b": (1024, 3072, 16, 8), "1.7b": (2048, 6144, 16, 8), "4b": (2560, 9728, 32, 8),
+    "8b": (4096, 12288, 32, 8), "14b": (5120, 17408, 40, 8), "32b": (5120, 25600, 64, 8),
+}
+ROWS = (1, 2, 3, 7, 16, 17, 31, 32, 33, 64, 100, 127, 128, 129, 255, 256, 257, 511, 1000, 2047, 2049, 4097,
+        8191, 8192, 16383, 32768)
+
+
+def test_tiled_linear_is_bitwise_vllms_matmul():
+    """Every linear of the Qwen3 sizes the script serves (merged q/k/v, o_proj, merged gate/up, down_proj,
+    lm_head), at row counts from 1 to 32k, odd ones included: `tiled_linear`, with the tiles it picks for
+    each, gives exactly the bits of vLLM 0.20's `matmul_persistent` (its fixed 128 x 128 tiles)."""
+    from vllm.model_executor.layers.batch_invariant import matmul_persistent
+
+    from batch_invariant_backward import _num_sms, matmul_tiles, tiled_linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tiles_used, products = set(), 0
+    for name, (d, i, h, kv) in QWEN3_SHAPES.items():
+        gemms = {"qkv": ((h + 2 * kv) * 128, d), "o_proj": (d, h * 128), "gate_up": (2 * i, d), "down": (d, i),
+                 "lm_head": (151936, d)}
+        for gemm, (n, k) in gemms.items():
+            w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+            for m in ROWS if gemm != "lm_head" else [m for m in ROWS if m <= 8192]:
+                x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+                ours, vllms = tiled_linear(x, w), matmul_persistent(x, w.t())
+                differ = int((ours.view(torch.int16) != vllms.view(torch.int16)).sum())
+                assert differ == 0, f"Qwen3-{name} {gemm} (N={n}, K={k}) at M={m}: {differ} elements differ"
+                tiles_used.add(tuple(matmul_tiles(m, n, k, _num_sms(x.device)).values()))
+                products += 1
+    print(f"\n[tiled_linear] {products} products, bitwise vLLM's, with {len(tiles_used)} tile shapes: "
+          f"{sorted(tiles_used)}")

@@ -55,7 +55,7 @@ def test_hf_round_trip_is_exact(name, tmp_path):
     src = write_checkpoint(tmp_path / "src", CONFIGS[name], seed=3)
     model = simple_rl.load_qwen3(src, "cpu")
     (tmp_path / "out").mkdir()
-    simple_rl.write_hf_checkpoint({k: v.contiguous() for k, v in simple_rl.hf_weights(model)}, src, tmp_path / "out")
+    simple_rl.write_hf_checkpoint(model, src, tmp_path / "out", simple_rl.World())
     before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert before.keys() == after.keys()
     for key in before:
@@ -75,7 +75,7 @@ def test_token_logprobs_and_gradients_match_reference(tmp_path):
         model = simple_rl.Qwen3(args, kernels, dtype=torch.float64)
         model.load_state_dict(weights)
         batch = simple_rl.pack_sequences([s[:4] for s in seqs], [s[4:] for s in seqs], "cpu")
-        logprobs, entropy = model(batch)
+        logprobs, entropy, *_ = model(batch)
         (logprobs.sum() + 0.1 * entropy.sum()).backward()
         results.append((logprobs, entropy, {n: p.grad for n, p in model.named_parameters()}))
     (lp, ent, grads), (lp_ref, ent_ref, grads_ref) = results
@@ -91,10 +91,17 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
         simple_rl.resolve_model_dir(str(tmp_path))
     with pytest.raises(ValueError, match="not a checkpoint directory"):
         simple_rl.resolve_model_dir(str(tmp_path / "missing" / "dir"))
-    bad = dict(qwen3_config(), model_type="llama")
-    with pytest.raises(ValueError, match="needs 'qwen3'"):
-        simple_rl.model_args_from_hf_config(bad)
     ckpt = write_checkpoint(tmp_path / "c", qwen3_config())
+    config = ckpt / "config.json"
+    good = config.read_text()
+    for text, message in [(json.dumps(dict(qwen3_config(), model_type="llama")), "model_type is 'llama'; "),
+                          (json.dumps({k: v for k, v in qwen3_config().items() if k != "hidden_size"}), "no hidden_size"),
+                          ("[1, 2]", "a JSON object of the model's settings"), ("{not json", "not valid JSON")]:
+        config.write_text(text)
+        with pytest.raises(ValueError, match=message) as error:
+            simple_rl.read_config(ckpt)
+        assert str(config) in str(error.value)
+    config.write_text(good)
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["num_hidden_layers"] = 3
     (ckpt / "config.json").write_text(json.dumps(cfg))

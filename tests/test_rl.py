@@ -1,7 +1,10 @@
-"""The RL script on the CPU: reward on all of GSM8K, the GRPO math against hand-computed values,
-bad input, and a smoke run of main() with vLLM replaced by a CPU test double."""
+"""The RL script on the CPU: reward on all of GSM8K, the GRPO math against hand-computed values, bad input
+(each a one-line error before anything slow), the file's reading order, and runs of main() with vLLM
+replaced by a CPU test double: end to end, a parity abort, a killed run resumed."""
 
+import ast
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -13,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-from conftest import QWEN3_CHAT_TEMPLATE, gsm8k_rows, write_chat_model, write_gsm8k_model, write_jsonl
+from conftest import (QWEN3_CHAT_TEMPLATE, full_gsm8k, gsm8k_jsonl, gsm8k_rows, make_args, write_chat_model,
+                      write_gsm8k_model, write_jsonl)
 
 import simple_rl
+from batch_invariant_backward import truncated
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,8 +29,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_gsm8k_reference_answer_scores_as_correct():
-    rows = gsm8k_rows("train") + gsm8k_rows("test")
-    assert len(rows) == 8792
+    full = [full_gsm8k("train"), full_gsm8k("test")]
+    if None in full:
+        print("\nGSM8K is neither at GSM8K_DIR nor on the hub: checking the shipped sample only")
+        rows = gsm8k_rows("train") + gsm8k_rows("test")
+    else:
+        rows = full[0] + full[1]
+        assert len(rows) == 8792
     wrong = [r["answer"][-40:] for r in rows if simple_rl.gsm8k_reward(r["answer"], r["answer"]) != 1.0]
     assert wrong == []
 
@@ -57,7 +66,7 @@ def test_chat_prompts_are_what_qwen3s_template_renders(tmp_path, thinking):
     tokens = tokenizer.convert_ids_to_tokens(ids)  # the markers are single tokens, not spelled out
     assert tokens.count("<|im_start|>") == 2 and tokens.count("<|im_end|>") == 1
     assert tokens.count("<think>") == tokens.count("</think>") == (0 if thinking else 1)
-    stop_ids = simple_rl.stop_token_ids(tokenizer, model_dir)  # <|im_end|> (tokenizer) and <|endoftext|>
+    stop_ids = simple_rl.end_of_sequence_ids(tokenizer, model_dir)  # <|im_end|> (tokenizer) and <|endoftext|>
     assert set(tokenizer.convert_ids_to_tokens(stop_ids)) == {"<|im_end|>", "<|endoftext|>"}
 
 
@@ -134,8 +143,8 @@ def test_micro_batches_respect_the_budget_and_keep_order():
 
 
 def test_learning_rate_schedule():
-    args = simple_rl.Args(lr=1.0, warmup_steps=4, steps=14, min_lr_ratio=0.1)
-    lrs = [simple_rl.lr_at(s, args) for s in range(14)]
+    cfg = simple_rl.Optimizer(lr=1.0, warmup_steps=4, steps=14, min_lr_ratio=0.1)
+    lrs = [simple_rl.lr_at(s, cfg) for s in range(14)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == 1.0 and abs(lrs[9] - 0.55) < 1e-12 and lrs[-1] > 0.1
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
@@ -144,16 +153,17 @@ def test_learning_rate_schedule():
 def test_parity_report_names_the_first_mismatch():
     vllm = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5, -0.25, -3.0])]
     same = [t.clone() for t in vllm]
-    metrics, report, first = simple_rl.parity_report(vllm, same, [[5, 6], [7, 8, 9]], show=2)
+    metrics, report, first = simple_rl.parity_report(vllm, same, [[5, 6], [7, 8, 9]], 2, simple_rl.World())
     assert metrics["mismatched_tokens"] == 0 and metrics["vllm_kl"] == 0 and first is None
     assert "Bitwise identical: True, different tokens 0 / 5" in report and "0xbf800000" in report
     off = [t.clone() for t in vllm]
     off[1][1] = torch.nextafter(off[1][1], torch.tensor(0.0))  # one ulp
-    metrics, report, first = simple_rl.parity_report(vllm, off, [[5, 6], [7, 8, 9]], show=0)
+    metrics, report, first = simple_rl.parity_report(vllm, off, [[5, 6], [7, 8, 9]], 0, simple_rl.World())
     assert metrics["mismatched_tokens"] == 1 and metrics["max_abs_logprob_diff"] > 0
-    assert first[0].startswith("sample 1 token 1 (id 8)") and first[1:] == (1, 1) and "Bitwise identical: False" in report
+    assert first.message.startswith("sample 1 token 1 (id 8)") and (first.sample, first.token) == (1, 1)
+    assert "Bitwise identical: False" in report
     # The printed fp32 bits tell apart two logprobs one ulp apart, which bf16 rounds together.
-    _, report, _ = simple_rl.parity_report(vllm[1:], off[1:], [[7, 8, 9]], show=2)
+    _, report, _ = simple_rl.parity_report(vllm[1:], off[1:], [[7, 8, 9]], 2, simple_rl.World())
     row = report.splitlines()[2].split()
     assert row[3] == "0xbe800000" and row[4] == "0xbe7fffff"
 
@@ -163,7 +173,7 @@ def test_the_divergence_locator_names_the_first_op_whose_bits_differ(tmp_path):
     divergence injected into one op is named, at its layer, and nothing before it is."""
     from conftest import qwen3_config, write_checkpoint
 
-    model_dir = write_checkpoint(tmp_path / "m", qwen3_config(layers=3), seed=4)
+    model_dir = write_checkpoint(tmp_path / "m", qwen3_config(layers=3, head_dim=128), seed=4)
     tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     reference = simple_rl.trainer_trace(simple_rl.load_qwen3(model_dir, "cpu"), tokens)
 
@@ -199,9 +209,9 @@ def test_the_divergence_locator_names_the_first_op_whose_bits_differ(tmp_path):
 
 
 def run_script(*flags, env_update=None, cwd=None):
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"} | (env_update or {})
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_BATCH_INVARIANT", "WORLD_SIZE", "RANK")}
     return subprocess.run([sys.executable, str(REPO / "simple_rl.py"), *flags], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=300)  # fmt: skip
+                          env=env | (env_update or {}), cwd=cwd, timeout=300)  # fmt: skip
 
 
 def one_line_error(result):
@@ -215,28 +225,62 @@ ON = {"VLLM_BATCH_INVARIANT": "1"}
 
 
 def test_bad_flags_give_one_line_errors(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o500)
     cases = [
         (["--samples-per-prompt", "1"], ON, "at least 2"),
         (["--temperature", "0"], ON, "--temperature"),
+        (["--temperature", "inf"], ON, "--temperature must be a finite number"),
+        (["--lr", "nan"], ON, "--lr must be"),
+        (["--lr", "inf"], ON, "--lr must be a finite number"),
+        (["--top-k", "-1"], ON, "--top-k must be >= 0"),
+        (["--top-p", "0"], ON, "--top-p must be in (0, 1]"),
+        (["--top-k", "20", "--kl-coef", "0.1"], ON, "--kl-coef must be 0 with --top-k or --top-p"),
         (["--warmup-steps", "-1"], ON, "--warmup-steps must be >= 0"),
         (["--max-tokens-per-microbatch", "100"], ON, "must hold one whole sequence"),
         (["--vllm-gpu-memory", "1.5"], ON, "--vllm-gpu-memory"),
         (["--dataset", "x.jsonl"], ON, "--eval-dataset"),
+        (["--run-name", ""], ON, "--run-name '': give a plain name"),
+        (["--run-name", "../escape"], ON, "--run-name '../escape': give a plain name"),
+        (["--output-dir", "a_file"], ON, "--output-dir a_file: "),
+        (["--output-dir", "a_file/sub"], ON, "is not a writable directory"),
+        (["--output-dir", str(read_only / "sub")], ON, "is not a writable directory"),
+        (["--resume", "nowhere"], ON, "--resume nowhere: no such directory"),
+        (["--resume", "."], ON, "not a checkpoint of this script"),
         ([], {}, "VLLM_BATCH_INVARIANT is not set, so vLLM's logprobs cannot equal the trainer's"),
         ([], {"VLLM_BATCH_INVARIANT": "0"}, "VLLM_BATCH_INVARIANT is 0, so"),
         ([], {"VLLM_BATCH_INVARIANT": "true"}, "VLLM_BATCH_INVARIANT is 'true', but vLLM reads it as an integer"),
         (["--prompts-per-step", "3"], ON | {"WORLD_SIZE": "2"}, "must be a multiple of the 2 processes"),
     ]
+    if os.geteuid() == 0:  # root writes anywhere
+        cases = [c for c in cases if not any(str(read_only) in f for f in c[0])]
     for flags, env, message in cases:
         assert message in one_line_error(run_script(*flags, env_update=env, cwd=tmp_path)), flags
-    assert not (tmp_path / "runs").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "read_only"]  # nothing written
+
+
+def test_flags_are_checked_before_torch_loads(tmp_path):
+    """--help and a bad flag answer before the heavy imports (torch alone takes seconds); under torchrun a
+    bad flag is reported once, by rank 0, and every rank exits 2."""
+    for flags in (["--help"], ["--steps", "0"]):
+        result = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "simple_rl.py"), *flags],
+                                capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **ON}, timeout=60)
+        imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "import time:" in line}
+        assert "torch" not in imported and "tyro" in imported, flags
+    assert "--top-k INT" in run_script("--help", cwd=tmp_path).stdout
+    for rank, lines in (("0", 1), ("1", 0)):
+        result = run_script("--steps", "0", env_update=ON | {"WORLD_SIZE": "2", "RANK": rank}, cwd=tmp_path)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == lines, result.stderr
+        result = run_script("--no-such-flag", env_update=ON | {"WORLD_SIZE": "2", "RANK": rank}, cwd=tmp_path)
+        assert result.returncode == 2 and bool(result.stderr.strip()) == (rank == "0"), result.stderr
 
 
 def test_help_groups_the_flags_and_keeps_their_names(tmp_path):
     result = run_script("--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
-    assert "Set VLLM_BATCH_INVARIANT=1 in the environment" in text
+    assert "Set VLLM_BATCH_INVARIANT=1 in the environment" in text and "\\n" not in text and "{None}" not in text
     titles = ["data", "sampling", "grpo-loss", "optimizer", "warm-start", "parity", "engine-and-memory",
               "evaluation-and-checkpoints"]
     positions = [text.index(f"{title} options") for title in titles]
@@ -244,7 +288,7 @@ def test_help_groups_the_flags_and_keeps_their_names(tmp_path):
     assert text.index("--temperature FLOAT") > text.index("sampling options")
     assert text.index("--kl-coef FLOAT") > text.index("grpo-loss options")
     args = simple_rl.parse_command_line(["--temperature", "0.7", "--no-assert-bitwise", "--keep-last", "5"])
-    assert args == dataclasses.replace(simple_rl.Args(), temperature=0.7, assert_bitwise=False, keep_last=5)
+    assert args == make_args(temperature=0.7, assert_bitwise=False, keep_last=5)
     assert simple_rl.parse_command_line([]) == simple_rl.Args()
 
 
@@ -259,53 +303,75 @@ def test_bad_files_give_one_line_errors(tmp_path):
     missing_field = write_jsonl(tmp_path / "a.jsonl", [{"question": "q", "answer": "#### 1"}, {"question": "q"}])
     no_number = write_jsonl(tmp_path / "b.jsonl", [{"question": "q", "answer": "none"}])
     no_hashes = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "so 3 + 4 = 7"}])
+    words = write_jsonl(tmp_path / "e.jsonl", [{"question": "q", "answer": "#### five"}])
     (tmp_path / "c.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{not json\n')
-    for path, message in [(tmp_path / "nope.jsonl", "no such file"), (missing_field, "line 2: need a JSON object"),
-                          (no_number, "line 1: the answer has no final '#### N'"),
-                          (no_hashes, "line 1: the answer has no final '#### N'"), (tmp_path / "c.jsonl", "line 2: not valid JSON")]:  # fmt: skip
-        with pytest.raises(ValueError, match=message):
+    (tmp_path / "utf16.jsonl").write_text(good.read_text(), encoding="utf-16")
+    cases = [(tmp_path / "nope.jsonl", "no such file"), (tmp_path, "a directory"),
+             (missing_field, "line 2: need a JSON object"), (no_number, "line 1: the answer does not end in '#### N'"),
+             (no_hashes, "line 1: the answer does not end in '#### N'"), (words, "with N a number"),
+             (tmp_path / "c.jsonl", "line 2: not valid JSON"), (tmp_path / "utf16.jsonl", "not UTF-8 text")]
+    for path, message in cases:
+        with pytest.raises(ValueError, match=message) as error:
             simple_rl.load_gsm8k(str(path), "train")
+        assert str(path) in str(error.value)
     assert len(simple_rl.load_gsm8k(str(good), "train")) == 3
-    err = one_line_error(run_script("--model", str(tmp_path / "no_model"), "--no-assert-bitwise", cwd=tmp_path))
-    assert "no CUDA GPU" in err or "--model" in err
+    err = one_line_error(run_script("--model", str(tmp_path / "no_model"), "--no-assert-bitwise",
+                                    "--eval-every", "0", cwd=tmp_path))
+    assert "--model" in err
 
 
-def local_inputs(tmp_path, model_dir) -> list[str]:
-    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 20))
-    test = write_jsonl(tmp_path / "test.jsonl", gsm8k_rows("test", 5))
-    return ["--model", str(model_dir), "--dataset", str(train), "--eval-dataset", str(test)]
+def local_inputs(model_dir) -> list[str]:
+    return ["--model", str(model_dir), "--dataset", str(gsm8k_jsonl("train")),
+            "--eval-dataset", str(gsm8k_jsonl("test"))]
 
 
 def test_missing_gpu_is_reported_after_the_inputs_are_checked(tmp_path):
     """Good inputs get as far as the GPU check, and a run shorter than the default warm-up is fine."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    flags = local_inputs(tmp_path, write_gsm8k_model(tmp_path / "model", head_dim=128))
-    result = run_script(*flags, "--steps", "4", env_update=ON, cwd=tmp_path)
+    result = run_script(*local_inputs(write_gsm8k_model(tmp_path / "model")), "--steps", "4", env_update=ON,
+                        cwd=tmp_path)
     assert "no CUDA GPU" in one_line_error(result)
     assert "--warmup-steps 10 is more than --steps 4: the learning rate warms up over all 4 steps" in result.stdout
     assert not (tmp_path / "runs").exists() and not (tmp_path / "checkpoints").exists()
 
 
 def test_bad_checkpoints_stop_before_the_engine(tmp_path):
-    """A truncated or incomplete safetensors file, or a checkpoint without tokenizer files: one line,
-    exit status 2, nothing written, before vLLM would start (so also on a machine without a GPU)."""
+    """A truncated or incomplete safetensors file, fp32 weights, a malformed config.json, a checkpoint
+    without tokenizer files, too few positions: one line naming the checkpoint, exit status 2, nothing
+    written, before vLLM would start (so also on a machine without a GPU)."""
     from safetensors.torch import load_file, save_file
 
     good = write_gsm8k_model(tmp_path / "good")
-    flags = local_inputs(tmp_path, good)[2:]
+    flags = local_inputs(good)[2:]
+
+    def variant(name: str) -> Path:
+        shutil.copytree(good, tmp_path / name)
+        return tmp_path / name
+
+    def edit_config(model_dir: Path, text: str) -> Path:
+        (model_dir / "config.json").write_text(text)
+        return model_dir
+
     cases = {}
-    truncated = cases["is not a whole safetensors file"] = tmp_path / "truncated"
-    shutil.copytree(good, truncated)
+    truncated = cases["is not a whole safetensors file"] = variant("truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
     incomplete = cases["weights do not match config.json: missing model.layers.1.mlp.up_proj.weight"] = (
-        tmp_path / "incomplete")
-    shutil.copytree(good, incomplete)
+        variant("incomplete"))
     weights = load_file(incomplete / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, incomplete / "model.safetensors")
-    no_tokenizer = cases["its tokenizer has 1 tokens for a vocabulary of"] = tmp_path / "no_tokenizer"
+    fp32 = cases["the weights are F32; both sides run bf16 weights"] = variant("fp32")
+    save_file({k: v.float() for k, v in load_file(fp32 / "model.safetensors").items()}, fp32 / "model.safetensors")
+    config = json.loads((good / "config.json").read_text())
+    cases["config.json: no hidden_size; this trainer needs a Hugging Face Qwen3 config"] = edit_config(
+        variant("no_hidden"), json.dumps({k: v for k, v in config.items() if k != "hidden_size"}))
+    cases["config.json: a JSON object of the model's settings was expected"] = edit_config(variant("list"), "[]")
+    cases["config.json: not valid JSON"] = edit_config(variant("bad_json"), "{")
+    cases["but the model has 512 positions"] = edit_config(variant("short"), json.dumps(config | {
+        "max_position_embeddings": 512}))
+    no_tokenizer = cases["its tokenizer has 1 token(s) for a vocabulary of"] = tmp_path / "no_tokenizer"
     no_tokenizer.mkdir()
     for f in ("config.json", "model.safetensors"):
         shutil.copy(good / f, no_tokenizer / f)
@@ -320,32 +386,55 @@ def test_bad_checkpoints_stop_before_the_engine(tmp_path):
 def test_head_sizes_whose_attention_vllm_computes_otherwise_are_refused():
     """FlashAttention 3 decodes with other key tiles than it prefills at head_dim 64 (measured on the GPU
     in tests/test_gpu_configs.py); a sequence within one 128-key tile is safe."""
-    args = simple_rl.Args()
     for d in simple_rl.BITWISE_HEAD_DIMS:
-        simple_rl.check_bitwise_head_dim(Qwen3ModelArgs(head_dim=d), args, Path("model"))
+        simple_rl.check_bitwise_head_dim(d, 1024, Path("model"))
     for d in (16, 64, 96, 192):
         with pytest.raises(ValueError, match=f"head_dim is {d}; "):
-            simple_rl.check_bitwise_head_dim(Qwen3ModelArgs(head_dim=d), args, Path("model"))
-    short = dataclasses.replace(args, max_prompt_tokens=100, max_new_tokens=28)
-    simple_rl.check_bitwise_head_dim(Qwen3ModelArgs(head_dim=64), short, Path("model"))
+            simple_rl.check_bitwise_head_dim(d, 1024, Path("model"))
+    simple_rl.check_bitwise_head_dim(64, 128, Path("model"))
     with pytest.raises(ValueError, match=r"--max-new-tokens = 129\)"):
-        longer = dataclasses.replace(short, max_new_tokens=29)
-        simple_rl.check_bitwise_head_dim(Qwen3ModelArgs(head_dim=64), longer, Path("model"))
+        simple_rl.check_bitwise_head_dim(64, 129, Path("model"))
 
 
-# --- smoke run of main() ------------------------------------------------------------------------
+def test_no_function_uses_a_name_defined_below_it():
+    """simple_rl.py reads top to bottom: every module-level name a function or class uses is defined above
+    the definition that uses it."""
+    tree = ast.parse((REPO / "simple_rl.py").read_text())
+    defined = {}  # module-level name -> line of its definition
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign):
+            names = [node.target.id]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [(alias.asname or alias.name).split(".")[0] for alias in node.names]
+        else:
+            names = []
+        for name in names:
+            defined.setdefault(name, node.lineno)
+    late = [f"{node.name} (line {node.lineno}) uses {inner.id} (line {defined[inner.id]})"
+            for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+            for inner in ast.walk(node)
+            if isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Load) and defined.get(inner.id, 0) > node.lineno]
+    assert not late, late
 
 
-class TrainerAsSampler:
-    """Test double for vLLM, which cannot run on a CPU: samples from the checkpoint with this
-    project's own Qwen3 (CPU reference path) and returns its logprobs of the sampled tokens. It
-    holds the script to vLLM's sleep-mode protocol: generate only when awake, push only into
-    woken weights (their contents lost while asleep, as vLLM's level-2 sleep loses them)."""
+# --- runs of main() with a CPU stand-in for vLLM ---------------------------------------------------
+
+
+class TrainerAsSampler(simple_rl.VLLMEngine):
+    """Test double for vLLM, which cannot run on a CPU: samples from the checkpoint with this project's own
+    Qwen3 (CPU reference path) and returns its logprobs of the sampled tokens. It holds the script to vLLM's
+    sleep-mode protocol: generate only when awake, push only into woken weights (their contents lost while
+    asleep, as vLLM's level-2 sleep loses them). The weight sync and check are VLLMEngine's own."""
 
     def __init__(self, model_dir, gpu_memory_utilization, max_model_len, seed, cuda_graphs, **vllm_args):
         self.model = simple_rl.load_qwen3(model_dir, "cpu")
         self.vllm_args = vllm_args
         self.asleep, self.calls = set(), []
+        self.served_checksum = self.weights_checksum()
 
     def sleep(self):
         assert not self.asleep, "sleep() while already asleep"
@@ -361,7 +450,8 @@ class TrainerAsSampler:
         self.calls.append(f"wake_up {','.join(tags)}")
 
     @torch.no_grad()
-    def generate(self, prompts, max_tokens, temperature, seeds, stop_token_ids=(), ignore_eos=False):
+    def generate(self, prompts, max_tokens, temperature, seeds, stop_token_ids=(), ignore_eos=False, top_k=0,
+                 top_p=1.0):
         assert not self.asleep, "generate() while asleep"
         self.calls.append("generate")
         self.stop_token_ids = list(stop_token_ids)
@@ -372,13 +462,17 @@ class TrainerAsSampler:
             while len(completion) < n and not (completion and completion[-1] in stop_token_ids):
                 batch = simple_rl.pack_sequences([prompt + completion], [[]], "cpu")
                 hidden = self.model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
-                logits = hidden[-1].float() @ self.model.output_weight.float().t()
-                probs = torch.softmax(logits / max(temperature, 1e-6), -1)
-                completion.append(int(torch.multinomial(probs, 1, generator=g)) if temperature else int(logits.argmax()))
+                logits = hidden[-1:].float() @ self.model.output_weight.float().t()
+                if not temperature:
+                    completion.append(int(logits.argmax()))
+                    continue
+                logits = truncated(logits / temperature, top_k, top_p)
+                completion.append(int(torch.multinomial(torch.softmax(logits[0], -1), 1, generator=g)))
             completions.append(completion)
             batch = simple_rl.pack_sequences([prompt], [completion], "cpu")
-            # vLLM's processed logprobs: of the tempered distribution (a greedy request's at T = 1).
-            logprobs.append(self.model(batch, temperature or 1.0)[0])
+            # vLLM's processed logprobs: of the distribution sampled from (a greedy request's at T = 1).
+            logprobs.append(self.model(batch, temperature or 1.0, top_k if temperature else 0,
+                                       top_p if temperature else 1.0).logprobs)
         return completions, logprobs
 
     def push_weights(self, model):
@@ -392,30 +486,35 @@ class TrainerAsSampler:
         return simple_rl.weights_checksum(self.model.parameters())
 
 
+def recording(engines: list):
+    def engine_class(*a, **kw):
+        engines.append(TrainerAsSampler(*a, **kw))
+        return engines[-1]
+    return engine_class
+
+
+def small_run(model_dir, **flags):
+    """A run of a few questions x 2 samples x 6 tokens on the shipped GSM8K sample."""
+    return make_args(**dict(model=str(model_dir), dataset=str(gsm8k_jsonl("train")),
+                            eval_dataset=str(gsm8k_jsonl("test")), prompts_per_step=2, samples_per_prompt=2,
+                            max_new_tokens=6, max_prompt_tokens=400, max_tokens_per_microbatch=500) | flags)
+
+
 def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM
 
     model_dir = write_gsm8k_model(tmp_path / "model")
-    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 40))
-    test = write_jsonl(tmp_path / "test.jsonl", gsm8k_rows("test", 10))
     monkeypatch.chdir(tmp_path)
-    args = simple_rl.Args(model=str(model_dir), dataset=str(train), eval_dataset=str(test), run_name="smoke",
-                          steps=3, prompts_per_step=2, samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400,
-                          max_tokens_per_microbatch=500, lr=1e-3, kl_coef=0.01, entropy_coef=0.01,
-                          sft_steps=1, sft_batch_size=2, activation_checkpointing=True,
-                          eval_every=2, eval_samples=3, assert_bitwise=False)  # fmt: skip
+    args = small_run(model_dir, run_name="smoke", steps=3, lr=1e-3, kl_coef=0.01, entropy_coef=0.01, sft_steps=1,
+                     sft_batch_size=2, activation_checkpointing=True, eval_every=2, eval_samples=3,
+                     assert_bitwise=False)
     engines = []
-
-    def engine_class(*a, **kw):
-        engines.append(TrainerAsSampler(*a, **kw))
-        return engines[-1]
-
-    run_dir = simple_rl.main(args, device="cpu", engine_class=engine_class)
+    run_dir = simple_rl.main(args, device="cpu", engine_class=recording(engines))
     assert "the learning rate warms up over all 3 steps" in capsys.readouterr().out  # default --warmup-steps 10
 
-    # vLLM and the trainer take turns: sleep for the warm start and every train step; weights woken,
-    # pushed, then the KV cache woken before anything is generated again.
+    # vLLM and the trainer take turns: sleep for the warm start and every train step; weights woken, pushed,
+    # then the KV cache woken before anything is generated again.
     sync = ["wake_up weights", "push", "wake_up kv_cache"]
     step = ["generate", "sleep", *sync]
     evaluation = ["generate"]
@@ -430,6 +529,7 @@ def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
                 "parity/vllm_kl", "perf/generate_tokens_per_s", "perf/train_tokens_per_s", "time/generate",
                 "time/train", "time/push", "eval/accuracy"]:  # fmt: skip
         assert tag in tags, tag
+    assert "train/kept_tokens" not in tags  # every token kept: no top-k, no top-p
     assert len(events.Scalars("train/loss")) == 3
     assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2, 3]  # before, every 2, at the end
     assert all(e.value > 0 for e in events.Scalars("weight_delta/layer_01/magnitude"))
@@ -440,6 +540,26 @@ def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     trained = simple_rl.load_qwen3(ckpt, "cpu")
     assert torch.equal(hf.model.embed_tokens.weight, trained.tok_embeddings.weight)
     assert not torch.equal(trained.tok_embeddings.weight, simple_rl.load_qwen3(model_dir, "cpu").tok_embeddings.weight)
+    # The parity record: in the checkpoint and, at the end, beside the run's TensorBoard events.
+    record = json.loads((run_dir / "parity.json").read_text())
+    assert record == json.loads((ckpt / "training_state" / "parity.json").read_text())
+    assert record["tokens_checked"] == sum(e.value for e in events.Scalars("reward/completion_tokens_mean")) * 4
+    assert record["stack"]["torch"] == torch.__version__ and record["sampling"]["temperature"] == 1.0
+    assert "qkv rows=32" in record["kernels"]["matmul_tiles (BLOCK_M, BLOCK_N, warps, stages)"]
+
+
+def test_top_k_top_p_run_reports_the_kept_set(tmp_path, monkeypatch):
+    """Qwen3's thinking-mode sampling (T 0.6, top-k 20, top-p 0.95) end to end with the test engine, which
+    samples from the truncated distribution as vLLM does: every ratio 1, and the kept set logged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.chdir(tmp_path)
+    args = small_run(write_gsm8k_model(tmp_path / "model"), run_name="topk", steps=2, temperature=0.6, top_k=20,
+                     top_p=0.95, eval_every=0, assert_bitwise=False)
+    events = EventAccumulator(str(simple_rl.main(args, device="cpu", engine_class=TrainerAsSampler))).Reload()
+    kept = [e.value for e in events.Scalars("train/kept_tokens")]
+    assert all(1 <= k <= 20 for k in kept) and all(0 <= e.value < 1 for e in events.Scalars("train/cut_mass"))
+    assert [e.value for e in events.Scalars("parity/mismatched_tokens")] == [0.0, 0.0]
 
 
 def test_a_parity_abort_names_the_first_mismatch_before_any_update(tmp_path, monkeypatch):
@@ -461,15 +581,12 @@ def test_a_parity_abort_names_the_first_mismatch_before_any_update(tmp_path, mon
             pushed.append({name: w.clone() for name, w in simple_rl.hf_weights(model)})
 
     model_dir = write_gsm8k_model(tmp_path / "model")
-    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 20))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    args = simple_rl.Args(model=str(model_dir), dataset=str(train), run_name="abort", steps=2, prompts_per_step=2,
-                          samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400,
-                          max_tokens_per_microbatch=500, eval_every=0)
     before = load_file(model_dir / "model.safetensors")
     with pytest.raises(simple_rl.ParityError) as error:
-        simple_rl.main(args, device="cpu", engine_class=OneUlpOff)
+        simple_rl.main(small_run(model_dir, run_name="abort", steps=2, eval_every=0), device="cpu",
+                       engine_class=OneUlpOff)
     message = str(error.value)
     assert message.startswith("step 0: sample 1 token 0 (id ") and "; 1 of " in message
     assert "first divergence: not found, the locator failed (AttributeError" in message
@@ -489,55 +606,104 @@ def scalar_series(run_dir) -> dict:
             if not tag.startswith(("time/", "perf/", "memory/"))}
 
 
-def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch):
-    """A run that dies during step 3 of 4, resumed from its step-2 checkpoint, ends with the weights,
-    optimizer state and TensorBoard scalars of the run that was never interrupted."""
+def training_state(checkpoint: Path) -> dict:
+    """A checkpoint's training state (torch.distributed.checkpoint's files) as one flat dict of tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint / "training_state", checkpoint.parent / f"{checkpoint.name}.pt")
+    return torch.load(checkpoint.parent / f"{checkpoint.name}.pt", weights_only=False)
+
+
+def flat_tensors(state: dict, prefix="") -> dict:
+    out = {}
+    for key, value in state.items():
+        out |= flat_tensors(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value}
+    return out
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    x, y = flat_tensors(training_state(a)), flat_tensors(training_state(b))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), [k for k in x if not torch.equal(x[k], y[k])]
+
+
+class Killed(Exception):
+    pass
+
+
+class DiesInStep3(TrainerAsSampler):
+    """Generation calls: eval, steps 0 and 1, eval, step 2, then step 3's rollout, which dies."""
+
+    def generate(self, *args, **kwargs):
+        if self.calls.count("generate") == 5:
+            raise Killed
+        return super().generate(*args, **kwargs)
+
+
+def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, capsys):
+    """A run that dies during step 3 of 4, resumed from its step-2 checkpoint with --resume alone, ends
+    with the weights, optimizer state and TensorBoard scalars of the run that was never interrupted."""
     from safetensors.torch import load_file
 
     model_dir = write_gsm8k_model(tmp_path / "model")
-    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 40))
-    test = write_jsonl(tmp_path / "test.jsonl", gsm8k_rows("test", 10))
     monkeypatch.chdir(tmp_path)
-    flags = dict(model=str(model_dir), dataset=str(train), eval_dataset=str(test), steps=4, prompts_per_step=2,
-                 samples_per_prompt=2, max_new_tokens=6, max_prompt_tokens=400, max_tokens_per_microbatch=500,
-                 lr=1e-3, kl_coef=0.01, entropy_coef=0.01, sft_steps=1, sft_batch_size=2, eval_every=2,
+    flags = dict(steps=4, lr=1e-3, kl_coef=0.01, entropy_coef=0.01, sft_steps=1, sft_batch_size=2, eval_every=2,
                  eval_samples=3, save_every=2, keep_last=1, assert_bitwise=False)
-    simple_rl.main(simple_rl.Args(**flags, run_name="whole"), device="cpu", engine_class=TrainerAsSampler)
+    simple_rl.main(small_run(model_dir, **flags, run_name="whole"), device="cpu", engine_class=TrainerAsSampler)
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "whole").iterdir()) == ["step_000004"]
-
-    class Killed(Exception):
-        pass
-
-    class DiesInStep3(TrainerAsSampler):
-        """Generation calls: eval, steps 0 and 1, eval, step 2, then step 3's rollout, which dies."""
-
-        def generate(self, *args, **kwargs):
-            if self.calls.count("generate") == 5:
-                raise Killed
-            return super().generate(*args, **kwargs)
-
     with pytest.raises(Killed):
-        simple_rl.main(simple_rl.Args(**flags, run_name="killed"), device="cpu", engine_class=DiesInStep3)
+        simple_rl.main(small_run(model_dir, **flags, run_name="killed"), device="cpu", engine_class=DiesInStep3)
     checkpoint = tmp_path / "checkpoints" / "killed" / "step_000002"
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_000002"]
 
-    with pytest.raises(simple_rl.UsageError, match="--seed is 1, but the run was started with 0"):
-        simple_rl.main(simple_rl.Args(**flags | {"seed": 1}, resume=str(checkpoint)), device="cpu",
-                       engine_class=TrainerAsSampler)
-    # No --run-name: a resumed run keeps its own.
-    simple_rl.main(simple_rl.Args(**flags, resume=str(checkpoint)), device="cpu", engine_class=TrainerAsSampler)
+    # Every flag that contradicts the run is named, in one error; a path written otherwise is the same path.
+    clashing = ["--seed", "1", "--max-new-tokens", "7", "--dataset", str(gsm8k_jsonl("test")),
+                "--model", f"{model_dir}/../model/"]
+    with pytest.raises(simple_rl.UsageError) as error:
+        simple_rl.check_args(simple_rl.parse_command_line(["--resume", str(checkpoint), *clashing]), 1)
+    message = str(error.value)
+    assert "--seed 1 (the run has 0)" in message and "--max-new-tokens 7 (the run has 6)" in message
+    assert f"--dataset '{gsm8k_jsonl('test')}' (the run has '{gsm8k_jsonl('train')}')" in message
+    assert "--model" not in message
+    # --resume alone: the run's own flags and name.
+    args = simple_rl.parse_command_line(["--resume", str(checkpoint)])
+    started = small_run(model_dir, **flags)
+    assert (args.data, args.sampling, args.loss, args.run.run_name) == (started.data, started.sampling,
+                                                                         started.loss, "killed")
+    simple_rl.main(args, device="cpu", engine_class=TrainerAsSampler)
 
     whole, resumed = tmp_path / "checkpoints" / "whole" / "step_000004", checkpoint.parent / "step_000004"
-    for f in ("model.safetensors", "training_state/reference.safetensors"):
-        a, b = load_file(whole / f), load_file(resumed / f)
-        assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
-    state_a, state_b = (torch.load(d / "training_state" / "state.pt", weights_only=True) for d in (whole, resumed))
-    assert all(torch.equal(x, y) for x, y in zip(state_a["masters"], state_b["masters"], strict=True))
-    assert all(torch.equal(x["exp_avg_sq"], y["exp_avg_sq"])
-               for x, y in zip(state_a["optimizer"]["state"].values(), state_b["optimizer"]["state"].values()))
+    a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+    assert_same_state(whole, resumed)  # masters, AdamW's moments and steps, reference, RNG states
     series = scalar_series(tmp_path / "runs" / "whole")
     assert [step for step, _ in series["train/loss"]] == [0, 1, 2, 3]
     assert scalar_series(tmp_path / "runs" / "killed") == series  # step 2, logged twice, is shown once
+    assert len(list((tmp_path / "runs" / "killed").glob("events.out.tfevents.*"))) == 1
+
+
+def test_a_resume_on_another_stack_warns(tmp_path, monkeypatch, capsys):
+    """A checkpoint saved on another vLLM: the resume says, in one line, that bitwise continuation holds only
+    on the same stack, and names what changed. A checkpoint of the older format is refused in one line."""
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    args = small_run(model_dir, run_name="r", steps=1, eval_every=0, assert_bitwise=False)
+    simple_rl.main(args, device="cpu", engine_class=TrainerAsSampler)
+    checkpoint = tmp_path / "checkpoints" / "r" / "step_000001"
+    record = json.loads((checkpoint / "training_state" / "parity.json").read_text())
+    real = simple_rl.stack_versions()
+    monkeypatch.setattr(simple_rl, "stack_versions", lambda: real | {"vllm": "0.21.0"})
+    capsys.readouterr()
+    simple_rl.main(dataclasses.replace(args, optimizer=dataclasses.replace(args.optimizer, steps=2),
+                                       run=dataclasses.replace(args.run, resume=str(checkpoint))),
+                   device="cpu", engine_class=TrainerAsSampler)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: --resume {checkpoint} was saved on another stack (vllm {record['stack']['vllm']} "
+                        "-> 0.21.0): the run continues bit for bit only on the same one"]
+    old = tmp_path / "old"
+    (old / "training_state").mkdir(parents=True)
+    (old / "training_state" / "run.json").write_text(json.dumps({"args": {"model": "m", "steps": 3}, "step": 1}))
+    error = one_line_error(run_script("--resume", str(old), env_update=ON, cwd=tmp_path))
+    assert "written by another version of simple_rl.py" in error
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoints_whole(tmp_path):
@@ -562,7 +728,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoints_whole(tmp_path):
     assert list(run.glob(".step_000002.*/weights"))  # the write really was cut off midway
 
 
-def test_a_failed_save_leaves_the_previous_checkpoints_whole(tmp_path, monkeypatch):
+def test_a_failed_save_leaves_the_previous_checkpoints_whole(tmp_path):
     out_dir = tmp_path / "run" / "step_000002"
     with simple_rl.atomic_directory(tmp_path / "run" / "step_000001") as tmp:
         (tmp / "weights").write_text("step 1")
@@ -573,44 +739,82 @@ def test_a_failed_save_leaves_the_previous_checkpoints_whole(tmp_path, monkeypat
     assert (tmp_path / "run" / "step_000001" / "weights").read_text() == "step 1"
 
 
+def test_large_weights_are_written_in_shards_that_load(tmp_path, monkeypatch):
+    """Past SHARD_BYTES the weights go into model-0000i-of-0000n.safetensors files with an index, as the
+    hub's large checkpoints: transformers and the trainer load them as they are."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    model = simple_rl.load_qwen3(model_dir, "cpu")
+    monkeypatch.setattr(simple_rl, "SHARD_BYTES", sum(p.numel() * 2 for p in model.parameters()) // 3)
+    out = tmp_path / "out"
+    out.mkdir()
+    simple_rl.write_hf_checkpoint(model, model_dir, out, simple_rl.World())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {name for name, _ in simple_rl.hf_weights(model)}
+    reloaded = simple_rl.load_qwen3(out, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reloaded.parameters()))
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(hf.model.embed_tokens.weight, model.tok_embeddings.weight.float())
+
+
 def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeypatch):
     """--prompt-format chat end to end with Qwen3's template: the engine is told to stop at <|im_end|>,
     and the warm start teaches answers that end with it."""
     from transformers import AutoTokenizer
 
     model_dir = write_chat_model(tmp_path / "chat")
-    train = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows("train", 20))
     monkeypatch.chdir(tmp_path)
-    args = simple_rl.validate(simple_rl.Args(
-        model=str(model_dir), dataset=str(train), run_name="chat", prompt_format="chat", thinking=True, steps=1,
-        prompts_per_step=2,
-        samples_per_prompt=2, max_new_tokens=4, max_prompt_tokens=400, max_tokens_per_microbatch=800,
-        sft_steps=1, sft_batch_size=2, eval_every=0, assert_bitwise=False))
+    args = simple_rl.check_args(small_run(model_dir, run_name="chat", prompt_format="chat", thinking=True, steps=1,
+                                          max_new_tokens=4, max_tokens_per_microbatch=800, sft_steps=1,
+                                          sft_batch_size=2, eval_every=0, assert_bitwise=False), 1)
     engines = []
-
-    def engine_class(*a, **kw):
-        engines.append(TrainerAsSampler(*a, **kw))
-        return engines[-1]
-
-    simple_rl.main(args, device="cpu", engine_class=engine_class)
+    simple_rl.main(args, device="cpu", engine_class=recording(engines))
     im_end = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|im_end|>")
     assert im_end in engines[0].stop_token_ids
     # The checkpoint keeps the chat template: a resumed run and vLLM users render the same prompts.
     saved = AutoTokenizer.from_pretrained(tmp_path / "checkpoints" / "chat" / "step_000001")
     assert saved.chat_template == QWEN3_CHAT_TEMPLATE and len(saved) == len(AutoTokenizer.from_pretrained(model_dir))
 
-    _, inputs = simple_rl.load_inputs(args)
+    inputs = simple_rl.load_inputs(args)
     order = list(range(len(inputs.train_rows)))
-    model = simple_rl.load_qwen3(model_dir, "cpu")
-    simple_rl.warm_start(model, inputs, order, args)
+    simple_rl.warm_start(simple_rl.load_qwen3(model_dir, "cpu"), inputs, order, args, simple_rl.World())
     assert all(r["answer_ids"][-1] == im_end for r in inputs.train_rows)
 
 
-# --- corrections for a sampler that differs from the trainer --------------------------------------
+# --- the GRPO loss, and corrections for a sampler that differs from the trainer --------------------
 
 
-def correction_args(correction, level, geometric=False):
-    return simple_rl.Args(correction=correction, correction_level=level, correction_min=0.5, correction_max=2.0,
+def policy(logprobs, entropy=None):
+    n = len(logprobs)
+    return simple_rl.TokenLogprobs(logprobs, torch.zeros(n) if entropy is None else entropy, torch.full((n,), 9),
+                                   torch.zeros(n))
+
+
+def test_grpo_loss_by_hand():
+    """Two sequences of 2 and 1 tokens, the step has 4 tokens: PPO-clip, k3 KL and the entropy bonus."""
+    lp = torch.log(torch.tensor([0.5, 0.25, 0.8]))
+    sampler = torch.log(torch.tensor([0.5, 0.2, 0.8]))  # ratios 1, 1.25, 1
+    ref = torch.log(torch.tensor([0.25, 0.25, 0.4]))  # d = ref - lp: log 0.5, 0, log 0.5
+    adv, entropy = torch.tensor([1.0, 1.0, -2.0]), torch.tensor([0.1, 0.2, 0.3])
+    cfg = simple_rl.Loss(clip_eps=0.2, kl_coef=0.5, entropy_coef=0.1)
+    loss, sums = simple_rl.grpo_loss(policy(lp, entropy), sampler, adv, [2, 1], ref, 4, cfg)
+    pg = [-1.0, -1.2, 2.0]  # -min(r A, clip(r) A): 1; min(1.25, 1.2); min(-2, -2)
+    kl = [math.exp(math.log(0.5)) - math.log(0.5) - 1, 0.0, 0.5 - math.log(0.5) - 1]
+    per_token = [p + 0.5 * k - 0.1 * e for p, k, e in zip(pg, kl, [0.1, 0.2, 0.3])]
+    assert float(loss) == pytest.approx(sum(per_token) / 4, abs=1e-6)
+    assert float(sums["pg_loss"]) == pytest.approx(sum(pg), abs=1e-6)
+    assert float(sums["kl_div"]) == pytest.approx(sum(kl), abs=1e-6)
+    assert float(sums["ratio_clipped_frac"]) == 1 and float(sums["ratio_mean"]) == pytest.approx(3.25)
+    assert float(sums["kept_tokens"]) == 27 and float(sums["correction_weight_mean"]) == 3
+    _, plain = simple_rl.grpo_loss(policy(lp), sampler, adv, [2, 1], None, 4, simple_rl.Loss())
+    assert "kl_div" not in plain and float(plain["loss"]) == pytest.approx(sum(pg), abs=1e-6)
+
+
+def correction_cfg(correction, level, geometric=False):
+    return simple_rl.Loss(correction=correction, correction_level=level, correction_min=0.5, correction_max=2.0,
                           correction_geometric_mean=geometric)
 
 
@@ -619,7 +823,7 @@ def test_correction_weights_by_hand():
     lengths = [2, 3]
 
     def weights(*config):
-        w, cut = simple_rl.correction_weights(log_ratio, lengths, correction_args(*config))
+        w, cut = simple_rl.correction_weights(log_ratio, lengths, correction_cfg(*config))
         return [round(x, 6) for x in w.tolist()], cut.tolist()
 
     assert weights("tis", "token") == ([1.0, 2.0, 0.25, 1.5, 0.5], [False, True, False, False, False])
@@ -638,7 +842,7 @@ def test_equal_logprobs_make_every_correction_a_no_op(correction, level):
     """Batch invariance on: the trainer's logprobs are the sampler's, so every weight is exactly 1."""
     log_ratio = torch.zeros(7)
     for geometric in (False, True):
-        w, cut = simple_rl.correction_weights(log_ratio, [3, 4], correction_args(correction, level, geometric))
+        w, cut = simple_rl.correction_weights(log_ratio, [3, 4], correction_cfg(correction, level, geometric))
         assert torch.equal(w, torch.ones(7)) and not cut.any()
 
 
@@ -654,28 +858,28 @@ def test_corrections_weight_the_policy_gradient(tmp_path):
     completions = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 6, 2, 5)]
     with torch.no_grad():  # the sampler's logprobs, from one micro-batch as the trainer packs them
         batch = simple_rl.pack_sequences(prompts, completions, "cpu")
-        same = list(model(batch)[0].split(batch.completion_lens))
+        same = list(model(batch).logprobs.split(batch.completion_lens))
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
 
-    def step(config, sampler_logprobs):
-        args = dataclasses.replace(config, max_tokens_per_microbatch=1000)
+    def step(cfg, sampler_logprobs):
+        args = dataclasses.replace(make_args(max_tokens_per_microbatch=1000), loss=cfg)
         rollouts = simple_rl.Rollouts(prompts, completions, sampler_logprobs, rewards,
                                       simple_rl.group_advantages(rewards, 2, True))
         optimizer = simple_rl.MasterWeights(model, 1e-3, 0.0)
-        metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args)
+        metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args, simple_rl.World())
         return metrics, [m.grad for m in optimizer.masters]
 
-    baseline, grads = step(correction_args("none", "token"), same)
+    baseline, grads = step(correction_cfg("none", "token"), same)
     for correction, level in [("tis", "token"), ("mis", "token"), ("tis", "sequence"), ("mis", "sequence")]:
-        metrics, corrected = step(correction_args(correction, level), same)
+        metrics, corrected = step(correction_cfg(correction, level), same)
         assert metrics["loss"] == baseline["loss"] and all(torch.equal(a, b) for a, b in zip(grads, corrected))
         assert metrics["correction_weight_mean"] == 1 and metrics["correction_cut_frac"] == 0
         assert metrics["correction_ess"] == 1
     unlikely = [lp - 1 for lp in same]  # log(trainer / sampler) = 1 on every token
-    tis, tis_grads = step(correction_args("tis", "token"), unlikely)
+    tis, tis_grads = step(correction_cfg("tis", "token"), unlikely)
     assert tis["correction_weight_mean"] == 2 and tis["correction_cut_frac"] == 1
     assert tis["pg_loss"] == pytest.approx(2 * baseline["pg_loss"], abs=1e-12)  # the baseline's ratio is 1 too
-    mis, mis_grads = step(correction_args("mis", "token"), unlikely)
+    mis, mis_grads = step(correction_cfg("mis", "token"), unlikely)
     assert mis["pg_loss"] == 0 and mis["correction_cut_frac"] == 1
     assert all(not g.any() for g in mis_grads if g is not None)
 
@@ -683,7 +887,7 @@ def test_corrections_weight_the_policy_gradient(tmp_path):
 def test_mismatch_is_reported_by_sampler_probability_and_perplexity():
     v = torch.log(torch.tensor([0.0005, 0.05, 0.95, 1.0]))
     t = v + torch.tensor([0.5, 0.0, 0.0, 0.0])
-    metrics, _, _ = simple_rl.parity_report([v], [t], [[1, 2, 3, 4]], show=0)
+    metrics, _, _ = simple_rl.parity_report([v], [t], [[1, 2, 3, 4]], 0, simple_rl.World())
     assert metrics["p_0-0.001/mean_abs_logprob_diff"] == pytest.approx(0.5)
     assert metrics["p_0-0.001/vllm_kl"] == pytest.approx(math.exp(0.5) - 0.5 - 1)  # k3 with d = trainer - vLLM
     assert metrics["p_0.01-0.1/mean_abs_logprob_diff"] == 0 and metrics["p_0.9-1/token_frac"] == 0.5
@@ -692,26 +896,41 @@ def test_mismatch_is_reported_by_sampler_probability_and_perplexity():
     assert metrics["trainer_perplexity"] == pytest.approx(math.exp(-float(t.mean())))
 
 
-def test_the_trainer_optimises_the_tempered_policy(tmp_path):
-    """At --temperature T the trainer's logprobs, which the loss and the parity check use, are those
-    of softmax(z / T), z the fp32 logits: what vLLM samples from and returns as processed logprobs."""
+def test_the_trainer_optimises_the_sampled_policy(tmp_path):
+    """At --temperature T the trainer's logprobs, which the loss and the parity check use, are those of
+    softmax(z / T), z the fp32 logits; with --top-k and --top-p, those of the truncated distribution: what
+    vLLM samples from and returns as processed logprobs."""
     from conftest import qwen3_config, write_checkpoint
 
     model = simple_rl.load_qwen3(write_checkpoint(tmp_path / "m", qwen3_config()), "cpu", dtype=torch.float64)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (6, 4)]
-    completions = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 3)]
-    batch = simple_rl.pack_sequences(prompts, completions, "cpu")
+    completions = [[], []]  # greedy: each token its row's likeliest, which any top-k/top-p keeps
     with torch.no_grad():
+        for _ in range(5):
+            batch = simple_rl.pack_sequences([p + c for p, c in zip(prompts, completions)], [[]] * 2, "cpu")
+            hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+            last = hidden[batch.cu_seqlens[1:].long() - 1]
+            completions = [c + [int(t)] for c, t in zip(completions, (last @ model.output_weight.t()).argmax(-1))]
+        batch = simple_rl.pack_sequences(prompts, completions, "cpu")
         hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)[batch.target_rows]
         z = torch.nn.functional.linear(hidden, model.output_weight)
-        by_hand = torch.log_softmax(z / 0.7, dim=-1).gather(-1, batch.targets[:, None]).squeeze(-1)
-        torch.testing.assert_close(model(batch, 0.7)[0], by_hand, rtol=0, atol=1e-12)
-    rewards = torch.tensor([1.0, 0.0])
-    rollouts = simple_rl.Rollouts(prompts, completions, list(by_hand.split(batch.completion_lens)), rewards,
-                                  simple_rl.group_advantages(rewards, 2, True))
-    args = simple_rl.Args(temperature=0.7, max_tokens_per_microbatch=1000)
-    metrics, trained = simple_rl.train_on_rollouts(model, simple_rl.MasterWeights(model, 1e-3, 0.0), rollouts,
-                                                   None, args)
-    torch.testing.assert_close(torch.cat(trained), by_hand, rtol=0, atol=1e-12)
-    assert metrics["ratio_mean"] == pytest.approx(1, abs=1e-12)  # against the tempered sampler: on-policy
+    for top_k, top_p in ((0, 1.0), (3, 1.0), (0, 0.5), (3, 0.5)):
+        scaled = z / 0.7
+        keep = scaled >= scaled.topk(top_k or 256, dim=-1).values[:, -1:]
+        probs = scaled.masked_fill(~keep, -torch.inf).softmax(-1).sort(-1, descending=True)
+        mass = (probs.values.cumsum(-1) - probs.values < top_p) | (top_p == 1)  # the likeliest until p is reached
+        keep &= torch.zeros_like(keep).scatter(-1, probs.indices, mass)
+        by_hand = torch.log_softmax(scaled.masked_fill(~keep, -torch.inf), -1).gather(-1, batch.targets[:, None])[:, 0]
+        with torch.no_grad():
+            out = model(batch, 0.7, top_k, top_p)
+        torch.testing.assert_close(out.logprobs, by_hand, rtol=0, atol=1e-12)
+        assert out.kept.tolist() == keep.sum(-1).tolist()
+        rewards = torch.tensor([1.0, 0.0])
+        rollouts = simple_rl.Rollouts(prompts, completions, list(by_hand.split(batch.completion_lens)), rewards,
+                                      simple_rl.group_advantages(rewards, 2, True))
+        args = make_args(temperature=0.7, top_k=top_k, top_p=top_p, max_tokens_per_microbatch=1000)
+        metrics, trained = simple_rl.train_on_rollouts(model, simple_rl.MasterWeights(model, 1e-3, 0.0), rollouts,
+                                                       None, args, simple_rl.World())
+        torch.testing.assert_close(torch.cat(trained), by_hand, rtol=0, atol=1e-12)
+        assert metrics["ratio_mean"] == pytest.approx(1, abs=1e-12)  # against the sampler: on-policy
