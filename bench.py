@@ -42,6 +42,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -106,52 +107,51 @@ def bench_prompts(args) -> tuple[list[list[int]], torch.Tensor]:
 
 
 def exact_step_runner(ckpt: Path, args):
-    """simple_rl.py's own GRPO step: returns a function that runs one and returns its phase times."""
+    """simple_rl.py's own GRPO step: returns a function that runs one and returns its phase times, and one
+    that saves a checkpoint (weights and training state) and returns the seconds it took."""
     config = simple_rl.Args(
-        prompts_per_step=args.prompts,
-        samples_per_prompt=args.samples,
-        max_new_tokens=args.max_new_tokens,
-        vllm_gpu_memory=args.vllm_gpu_memory,
-        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-        activation_checkpointing=args.activation_checkpointing,
+        sampling=simple_rl.Sampling(prompts_per_step=args.prompts, samples_per_prompt=args.samples,
+                                    max_new_tokens=args.max_new_tokens),
+        engine=simple_rl.Engine(vllm_gpu_memory=args.vllm_gpu_memory,
+                                max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                                activation_checkpointing=args.activation_checkpointing),
+        run=simple_rl.Run(run_name="bench", output_dir=str(ckpt.parent / "checkpoints"), keep_last=1),
     )
-    engine = simple_rl.VLLMEngine(
-        ckpt,
-        config.vllm_gpu_memory,
-        config.max_prompt_tokens + config.max_new_tokens,
-        seed=0,
-        cuda_graphs=config.vllm_cuda_graphs,
-    )
-    model = simple_rl.load_qwen3(ckpt, "cuda", activation_checkpointing=config.activation_checkpointing)
-    optimizer = simple_rl.MasterWeights(model, config.lr, config.weight_decay)
+    world = simple_rl.World()
+    engine = simple_rl.VLLMEngine(ckpt, args.vllm_gpu_memory, config.data.max_prompt_tokens + args.max_new_tokens,
+                                  seed=0)
+    model = simple_rl.load_qwen3(ckpt, "cuda", activation_checkpointing=args.activation_checkpointing)
+    optimizer = simple_rl.MasterWeights(model, config.optimizer.lr, config.optimizer.weight_decay)
     prompts, rewards = bench_prompts(args)
-    advantages = simple_rl.group_advantages(rewards, args.samples, config.std_normalize)
-    checksum = engine.weights_checksum()
+    advantages = simple_rl.group_advantages(rewards, args.samples, True)
 
     def step(i: int) -> tuple[dict, dict]:
-        nonlocal checksum
         times, memory = {}, {}
         with simple_rl.phase("generate", times, memory):
             seeds = simple_rl.rollout_seeds(0, i, len(prompts))
-            completions, logprobs = engine.generate(
-                prompts, [args.max_new_tokens] * len(prompts), 1.0, seeds, ignore_eos=True
-            )
+            completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), 1.0, seeds,
+                                                    ignore_eos=True)
         rollouts = simple_rl.Rollouts(prompts, completions, logprobs, rewards, advantages)
         with simple_rl.phase("train", times, memory):
             engine.sleep()
-            _, trainer_logprobs = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, config)
-            parity, _, first_mismatch = simple_rl.parity_report(logprobs, trainer_logprobs, completions, 0)
+            _, trainer_logprobs = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, config, world)
+            parity, _, first_mismatch = simple_rl.parity_report(logprobs, trainer_logprobs, completions, 0, world)
             assert first_mismatch is None, first_mismatch
-            _, deltas = optimizer.step(simple_rl.lr_at(i, config), config.max_grad_norm)
+            optimizer.update(simple_rl.lr_at(i, config.optimizer), config.optimizer.max_grad_norm)
+            deltas = optimizer.write_back(world)
         with simple_rl.phase("push", times, memory):
-            changed = any(magnitude for magnitude, _ in deltas.values())
-            checksum = simple_rl.sync_weights(engine, model, checksum, changed)
+            engine.sync_weights(model, world, changed=any(magnitude for magnitude, _ in deltas.values()))
         return times, memory | {
             "mismatched_tokens": parity["mismatched_tokens"],
             "sampled_tokens": sum(len(c) for c in completions),
         }
 
-    return step
+    def save(i: int) -> float:
+        start = time.perf_counter()
+        simple_rl.save_checkpoint(model, optimizer, None, SimpleNamespace(model_dir=ckpt), config, i, {}, world)
+        return time.perf_counter() - start
+
+    return step, save
 
 
 def standard_step_runner(ckpt: Path, args):
@@ -266,8 +266,8 @@ def standard_step_runner(ckpt: Path, args):
 
 def run_side(side: str, ckpt: Path, args) -> dict:
     start = time.perf_counter()
-    step = (exact_step_runner if side == "exact" else standard_step_runner)(ckpt, args)
-    startup = time.perf_counter() - start
+    runner = exact_step_runner(ckpt, args) if side == "exact" else (standard_step_runner(ckpt, args), None)
+    (step, save), startup = runner, time.perf_counter() - start
     results = [step(i) for i in range(1 + args.iters)][1:]  # the first step warms up
     return {
         "steps": [times for times, _ in results],
@@ -276,6 +276,7 @@ def run_side(side: str, ckpt: Path, args) -> dict:
         "mismatched_tokens": [m.get("mismatched_tokens") for _, m in results],
         "sampled_tokens": results[0][1]["sampled_tokens"],
         "device": torch.cuda.get_device_name(),
+        "checkpoint_s": save(1 + args.iters) if save else None,  # the whole checkpoint, after the steps
     }
 
 
@@ -288,6 +289,7 @@ def combine(runs: list[dict]) -> dict:
     out["steps"] = [sum(times.values()) for times in steps]
     out["peak_gib"] = max(max(run["peak_gib"]) for run in runs)
     out["mismatched_tokens"] = [n for run in runs for n in run["mismatched_tokens"]]
+    out["checkpoint_s"] = [run["checkpoint_s"] for run in runs]
     out |= {key: runs[0][key] for key in ("sampled_tokens", "device")}
     return out
 
@@ -299,7 +301,7 @@ def step_benchmark(args) -> dict:
         runs = {"standard": [], "exact": []}
         # ABBA: a side measured second could run on a hotter, slower-clocked GPU; each side goes once
         # first and once second, and its figures are over the steps of both its processes.
-        for run, side in enumerate(("standard", "exact", "exact", "standard")):
+        for run, side in enumerate(("standard", "exact", "exact", "standard")[: 2 * args.repeats]):
             env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
             if side == "exact":
                 env["VLLM_BATCH_INVARIANT"] = "1"
@@ -315,7 +317,7 @@ def step_benchmark(args) -> dict:
     print(
         f"\nOne GRPO step, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), "
         f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens, "
-        f"{exact['device']}; median of 2 x {args.iters} steps (sides run ABBA)"
+        f"{exact['device']}; median of {args.repeats} x {args.iters} steps (sides run {'ABBA'[:2 * args.repeats]})"
     )
     print(
         f"  {'':<10}" + "".join(f"{name:>11}" for name in ("generate", "train", "push", "step", "peak GPU"))
@@ -332,7 +334,9 @@ def step_benchmark(args) -> dict:
         f"peak memory {exact['peak_gib'] / standard['peak_gib']:.2f}x"
     )
     print(
-        f"  exact side: mismatched tokens per step {exact['mismatched_tokens']} of {exact['sampled_tokens']}"
+        f"  exact side: mismatched tokens per step {exact['mismatched_tokens']} of {exact['sampled_tokens']}; "
+        f"a whole checkpoint (weights and training state) saved in "
+        + " and ".join(f"{t:.1f} s" for t in exact["checkpoint_s"])
     )
     results["step_ratio"] = exact["step"] / standard["step"]
     return results
@@ -450,8 +454,7 @@ def trainer_benchmark(args) -> dict:
         reference.zero_grad(set_to_none=True)
 
     def trainer_step():
-        logprobs, _ = trainer(batch)
-        logprobs.sum().backward()
+        trainer(batch).logprobs.sum().backward()
         trainer.zero_grad(set_to_none=True)
 
     n_tokens = args.seqs * args.seqlen
@@ -637,8 +640,10 @@ def decode_side(side: str, args) -> dict:
         llm = vllm.LLM(model=str(directory), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                        enable_prefix_caching=False, max_num_seqs=256, **common)
     else:
-        if side == "decode-exact-vllm-tiles":
-            simple_rl.serve_linears_with_tiled_matmul = lambda: None
+        if side == "decode-exact-vllm-tiles":  # the engine then serves its linears with vLLM's own tiles
+            from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
+
+            simple_rl.tiled_linear = linear_batch_invariant
         llm = simple_rl.VLLMEngine(directory, seed=0, sleep_mode=False, **common).llm
     g = torch.Generator().manual_seed(0)
     out = {}
@@ -707,13 +712,15 @@ def main():
     parser.add_argument("--iters", type=int, default=3, help="timed steps after one warm-up")
     parser.add_argument("--json", help="also write the results to this file")
     step = parser.add_argument_group("step benchmark (defaults: simple_rl.py's)")
-    defaults = simple_rl.Args()
-    step.add_argument("--prompts", type=int, default=defaults.prompts_per_step)
-    step.add_argument("--samples", type=int, default=defaults.samples_per_prompt)
-    step.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    step.add_argument("--vllm-gpu-memory", type=float, default=defaults.vllm_gpu_memory)
-    step.add_argument("--max-tokens-per-microbatch", type=int, default=defaults.max_tokens_per_microbatch)
+    sampling, engine = simple_rl.Sampling(), simple_rl.Engine()
+    step.add_argument("--prompts", type=int, default=sampling.prompts_per_step)
+    step.add_argument("--samples", type=int, default=sampling.samples_per_prompt)
+    step.add_argument("--max-new-tokens", type=int, default=sampling.max_new_tokens)
+    step.add_argument("--vllm-gpu-memory", type=float, default=engine.vllm_gpu_memory)
+    step.add_argument("--max-tokens-per-microbatch", type=int, default=engine.max_tokens_per_microbatch)
     step.add_argument("--activation-checkpointing", action="store_true")
+    step.add_argument("--repeats", type=int, choices=[1, 2], default=2,
+                      help="2: the sides run standard, exact, exact, standard; 1: standard, exact")
     step.add_argument("--seeded-standard", action="store_true",
                       help="the standard side seeds each request too (vLLM 0.20 then draws noise per request)")
     step.add_argument("--side", choices=["exact", "standard", *DECODE_SIDES], help=argparse.SUPPRESS)

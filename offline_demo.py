@@ -192,6 +192,9 @@ def main():
     parser.add_argument("extra", nargs="*", help="more simple_rl.py flags, after --")
     args = parser.parse_args()
     runs = {name: Path("runs") / name for name in RUNS}
+    if not args.plot_only and not torch.cuda.is_available():
+        sys.exit("error: offline_demo.py trains with vLLM on a GPU, and this machine has none (--plot-only redraws "
+                 "the figure of existing runs)")
     if not args.plot_only:
         if not (args.out / "model" / "model.safetensors").exists():
             build(args.out, args.max_operand)
@@ -210,7 +213,8 @@ def main():
             env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
             env |= {"VLLM_BATCH_INVARIANT": invariant} if invariant else {}
             command = [sys.executable, str(HERE / "simple_rl.py"), *flags, "--run-name", name, *extra]
-            subprocess.run(command, env=env, check=True)
+            if subprocess.run(command, env=env).returncode:
+                sys.exit(f"error: the {name} run failed (its output is above)")
     existing = {name: run for name, run in runs.items() if run.exists()}
     for run in existing.values():
         print(summary(run))

@@ -1541,7 +1541,7 @@ def parity_record(args: Args, model: Qwen3, totals: dict) -> dict:
     the sampled tokens checked so far, and how many of them mismatched."""
     from batch_invariant_backward import matmul_tiles
 
-    a, sms = model.args, (torch.cuda.get_device_properties().multi_processor_count
+    a, sms = model.args, (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                           if torch.cuda.is_available() else 132)
     gemms = {"qkv": ((a.n_heads + 2 * a.n_kv_heads) * a.head_dim, a.dim), "o_proj": (a.dim, a.n_heads * a.head_dim),
              "gate_up": (2 * a.hidden_dim, a.dim), "down": (a.dim, a.hidden_dim), "lm_head": (a.vocab_size, a.dim)}

@@ -1,6 +1,7 @@
 """On the GPU, against the real vLLM 0.20: the trainer's logprob of every sampled token equals
-vLLM's bit for bit, whatever the batch; the CUDA-graph engine gives the eager engine's bits; weights
-pushed after a sleep are exact; gradients are right.
+vLLM's bit for bit, whatever the batch, at any temperature, top-k and top-p; the CUDA-graph engine gives
+the eager engine's bits; weights pushed after a sleep are exact; gradients are right; the re-tiled matmul
+gives vLLM's matmul's bits.
 Run with VLLM_BATCH_INVARIANT=1 (the tests refuse to run without it). One engine per model for
 the whole session, configured as simple_rl.py configures it (CUDA graphs; sleep mode for the 1.7B
 shape: vLLM allows one sleep-mode engine per process)."""
@@ -42,20 +43,20 @@ def served(request, tmp_path_factory):
     return engine, model, config, request.param, ckpt
 
 
-def sample(engine, vocab, n, seed, temperature=1.0, prompt_lens=(20, 400), new_tokens=(64, 256)):
+def sample(engine, vocab, n, seed, temperature=1.0, prompt_lens=(20, 400), new_tokens=(64, 256), top_k=0, top_p=1.0):
     """n completions of random prompts (20-400 tokens), 64-256 new tokens each."""
     g = torch.Generator().manual_seed(seed)
     prompt_lens = torch.randint(prompt_lens[0], prompt_lens[1] + 1, (n,), generator=g).tolist()
     new_tokens = torch.randint(new_tokens[0], new_tokens[1] + 1, (n,), generator=g).tolist()
     prompts = [torch.randint(0, vocab, (L,), generator=g).tolist() for L in prompt_lens]
-    completions, logprobs = engine.generate(
-        prompts, new_tokens, temperature=temperature, seeds=[seed * 100_000 + i for i in range(n)], ignore_eos=True
-    )
+    completions, logprobs = engine.generate(prompts, new_tokens, temperature=temperature,
+                                            seeds=[seed * 100_000 + i for i in range(n)], ignore_eos=True, top_k=top_k,
+                                            top_p=top_p)
     return prompts, completions, logprobs
 
 
 @torch.no_grad()
-def trainer_logprobs(model, prompts, completions, order, token_budget, temperature=1.0):
+def trainer_logprobs(model, prompts, completions, order, token_budget, temperature=1.0, top_k=0, top_p=1.0):
     """Recompute in micro-batches packed in `order` up to `token_budget` tokens: compositions
     that have nothing to do with vLLM's scheduling."""
     out, batch = [None] * len(prompts), []
@@ -63,7 +64,7 @@ def trainer_logprobs(model, prompts, completions, order, token_budget, temperatu
         size = sum(len(prompts[j]) + len(completions[j]) for j in batch)
         if batch and (i is None or size + len(prompts[i]) + len(completions[i]) > token_budget):
             packed = simple_rl.pack_sequences([prompts[j] for j in batch], [completions[j] for j in batch], "cuda")
-            logprobs, _ = model(packed, temperature)
+            logprobs = model(packed, temperature, top_k, top_p).logprobs
             for j, lp in zip(batch, logprobs.split(packed.completion_lens)):
                 out[j] = lp.cpu()
             batch = []
@@ -76,9 +77,63 @@ def count_mismatches(a, b):
     return sum(int((x.view(torch.int32) != y.view(torch.int32)).sum()) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.6, 20, 0.95), (0.7, 20, 0.8), (1.0, 50, 1.0),
+                                                       (1.0, 0, 0.9), (1.3, 0, 0.95)])
+def test_logprobs_are_bitwise_vllms_under_top_k_and_top_p(served, temperature, top_k, top_p):
+    """Qwen3's recommended sampling and others: vLLM samples from the tempered, truncated distribution and
+    returns its logprobs; the trainer masks its fp32 logits with the very kernel the engine runs (pinned at
+    every batch size), then takes the same logprob: the same bits. 512 samples of 64-512 new tokens."""
+    engine, model, config, name, _ = served
+    prompts, completions, vllm_lps = sample(engine, config["vocab_size"], 512, seed=21, temperature=temperature,
+                                            new_tokens=(64, 512), top_k=top_k, top_p=top_p)
+    order = torch.randperm(512, generator=torch.Generator().manual_seed(22)).tolist()
+    ours = trainer_logprobs(model, prompts, completions, order, 16384, temperature, top_k, top_p)
+    mismatched = count_mismatches(ours, vllm_lps)
+    print(f"\n[{name}] T={temperature} top-k={top_k} top-p={top_p}: {sum(map(len, completions))} sampled tokens, "
+          f"{mismatched} differ")
+    assert mismatched == 0
+
+
+def test_top_k_top_p_is_the_same_in_small_and_large_decode_steps(served):
+    """vLLM 0.20 masks top-k/top-p with a Triton kernel from 8 rows up and a sort below; simple_rl.py pins
+    the Triton kernel at every size. 64 requests of 8 to 512 new tokens: the last decode steps hold fewer
+    than 8 sequences. Each of the 8 longest, sampled alone (1-row steps), gets the bits it got in the batch.
+    Also printed: how many rows of the batch the sort would mask otherwise (why the pin)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from batch_invariant_backward import tiled_linear, top_k_top_p
+
+    engine, model, config, name, _ = served
+    g = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(0, config["vocab_size"], (int(n),), generator=g).tolist()
+               for n in torch.randint(20, 200, (64,), generator=g)]
+    lengths = torch.linspace(8, 512, 64).long().tolist()
+    settings = dict(temperature=0.6, top_k=20, top_p=0.95)
+    completions, lps = engine.generate(prompts, lengths, seeds=list(range(64)), ignore_eos=True, **settings)
+    for i in range(56, 64):
+        alone_c, alone_lp = engine.generate([prompts[i]], [lengths[i]], seeds=[i], ignore_eos=True, **settings)
+        assert alone_c[0] == completions[i] and torch.equal(alone_lp[0].view(torch.int32), lps[i].view(torch.int32))
+    ours = trainer_logprobs(model, prompts, completions, list(range(64)), 16384, 0.6, 20, 0.95)
+    assert count_mismatches(ours, lps) == 0
+    with torch.no_grad():  # the two implementations on the same logits
+        batch = simple_rl.pack_sequences(prompts[:8], completions[:8], "cuda")
+        hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        logits = tiled_linear(hidden[batch.target_rows], model.output_weight).float() / 0.6
+        k = torch.full((len(logits),), 20, device="cuda", dtype=torch.int32)
+        p = torch.full((len(logits),), 0.95, device="cuda")
+        triton = top_k_top_p(logits.clone(), k, p) == float("-inf")
+        sort = apply_top_k_top_p_pytorch(logits.clone(), k, p) == float("-inf")
+    print(f"\n[{name}] kept sets of the sort and the Triton kernel differ on {int((triton != sort).any(-1).sum())} "
+          f"of {len(logits)} rows")
+
+
+def served_rotary_table(engine) -> torch.Tensor:
+    return engine.llm.apply_model(lambda served: served.model.layers[0].self_attn.rotary_emb.cos_sin_cache.cpu())[0]
+
+
 def test_rotary_table_matches_vllm(served):
     engine, model, *_ = served
-    table = engine.rotary_table()
+    table = served_rotary_table(engine)
     assert table.dtype == model.cos_sin_cache.dtype
     assert torch.equal(table.view(torch.int16), model.cos_sin_cache.cpu().view(torch.int16))
 
@@ -125,7 +180,7 @@ def test_the_locator_names_each_injected_divergence(served):
     tokens = torch.randint(0, config["vocab_size"], (300,), generator=torch.Generator().manual_seed(9)).tolist()
 
     def locate() -> str:
-        return simple_rl.locate_divergence(engine, model, tokens)
+        return simple_rl.find_first_divergence(engine, model, tokens)
 
     assert locate().startswith("no intermediate tensor differs up to the logits")
     ffn = model.layers[1].feed_forward
@@ -195,9 +250,10 @@ def test_sleep_then_push_is_exact_and_served(served):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    after = simple_rl.sync_weights(engine, model, before, changed=True)
+    engine.sync_weights(model, simple_rl.World(), changed=True)
+    after = engine.served_checksum
     assert after != before and after == simple_rl.weights_checksum(model.parameters())
-    table = engine.rotary_table()  # a buffer: vLLM saves and restores it around a level-2 sleep
+    table = served_rotary_table(engine)  # a buffer: vLLM saves and restores it around a level-2 sleep
     assert torch.equal(table.view(torch.int16), model.cos_sin_cache.cpu().view(torch.int16))
     prompts, completions, vllm_lps = sample(engine, config["vocab_size"], 512, seed=3)
     ours = trainer_logprobs(model, prompts, completions, list(range(512)), 16384)
@@ -225,8 +281,8 @@ def test_gradients_match_autograd_within_bf16_tolerance(served):
             m = simple_rl.Qwen3(args, kernels, dtype)
         m.load_state_dict(weights)
         batch = simple_rl.pack_sequences([s[:10] for s in seqs], [s[10:] for s in seqs], "cuda")
-        logprobs, entropy = m(batch)
-        (logprobs.sum() / len(logprobs) + 0.01 * entropy.mean()).backward()
+        out = m(batch)
+        (out.logprobs.sum() / len(out.logprobs) + 0.01 * out.entropy.mean()).backward()
         grads[label] = {n: p.grad for n, p in m.named_parameters()}
     for n in grads["fp32"]:
         err = relative_error(grads["exact"][n], grads["fp32"][n])

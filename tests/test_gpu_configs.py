@@ -50,14 +50,13 @@ def test_parity_holds_for_every_configuration(name, tmp_path):
     print(f"\n[{name}] {sum(map(len, completions))} sampled tokens, {mismatched} differ")
     if mismatched:  # where the bits part, for the refusal's reason
         i = next(i for i, (a, b) in enumerate(zip(ours, vllm_logprobs)) if count_mismatches([a], [b]))
-        print(f"[{name}] first divergence: " + simple_rl.locate_divergence(engine, model, prompts[i] + completions[i]))
+        print(f"[{name}] first divergence: " + simple_rl.find_first_divergence(engine, model, prompts[i] + completions[i]))
     longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
-    run = simple_rl.Args(max_prompt_tokens=longest // 2, max_new_tokens=longest - longest // 2)
     if name in REFUSED:
         assert mismatched > 0, "the bits agree: the refusal is no longer needed"
         with pytest.raises(ValueError, match="head_dim is 64; "):
-            simple_rl.check_bitwise_head_dim(model.args, run, ckpt)
+            simple_rl.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
     else:
-        simple_rl.check_bitwise_head_dim(model.args, run, ckpt)
+        simple_rl.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
         assert mismatched == 0
 

@@ -31,8 +31,8 @@ TAGS = ["train/loss", "train/pg_loss", "train/kl_div", "train/entropy", "reward/
 
 def script_command(tmp_path, model_dir, name, batch_invariant: bool, extra=()) -> tuple[list[str], dict]:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
-    flags = ["--model", str(model_dir), "--dataset", str(gsm8k_jsonl("train", tmp_path)),
-             "--eval-dataset", str(gsm8k_jsonl("test", tmp_path)), "--run-name", name, "--steps", str(STEPS),
+    flags = ["--model", str(model_dir), "--dataset", str(gsm8k_jsonl("train")),
+             "--eval-dataset", str(gsm8k_jsonl("test")), "--run-name", name, "--steps", str(STEPS),
              "--prompts-per-step", "8", "--samples-per-prompt", "8", "--max-new-tokens", "128",
              "--max-prompt-tokens", "256", "--lr", "1e-4", "--warmup-steps", "2", "--kl-coef", "0.01",
              "--entropy-coef", "0.001", "--eval-every", "5", "--eval-samples", "64", "--vllm-gpu-memory", "0.12",
@@ -48,6 +48,9 @@ def run(tmp_path, model_dir, name, batch_invariant: bool, extra=()):
     command, env = script_command(tmp_path, model_dir, name, batch_invariant, extra)
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # A quiet terminal: vLLM's INFO log is off (VLLM_LOGGING_LEVEL=INFO turns it on).
+    info = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("INFO ")]
+    assert not info, info[:3]
     return EventAccumulator(str(tmp_path / "runs" / name)).Reload()
 
 
@@ -172,3 +175,17 @@ def test_an_inexact_run_locates_where_the_bits_part(tmp_path):
     # must name a layer and one of its ops.
     named = re.compile(r"first divergence: layer \d+ (" + "|".join(simple_rl.LAYER_OPS) + "): ")
     assert len(located) == 2 and all(named.search(line) for line in located), located
+
+
+def test_qwen3_thinking_mode_sampling_is_bitwise(tmp_path):
+    """Qwen3's recommended thinking-mode sampling (temperature 0.6, top-k 20, top-p 0.95) end to end: 0
+    mismatched tokens at every step, the sampler-vs-trainer KL exactly 0, and the kept set logged."""
+    model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", hidden=256, layers=4, heads=4, kv_heads=2,
+                                  head_dim=128, intermediate=768)
+    events = run(tmp_path, model_dir, "thinking", batch_invariant=True,
+                 extra=["--temperature", "0.6", "--top-k", "20", "--top-p", "0.95", "--kl-coef", "0", "--steps", "4",
+                        "--eval-every", "0"])
+    assert values(events, "parity/mismatched_tokens") == [0.0] * 4 and values(events, "parity/vllm_kl") == [0.0] * 4
+    kept, cut = values(events, "train/kept_tokens"), values(events, "train/cut_mass")
+    print(f"\n[thinking-mode sampling] kept tokens per step {[round(k, 1) for k in kept]}, cut mass {cut}")
+    assert all(1 <= k <= 20 for k in kept) and all(0 <= c < 1 for c in cut)
