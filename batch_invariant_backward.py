@@ -94,15 +94,9 @@ def attention_reference(q, k, v, cu_seqlens, scale):
 
 
 def tempered_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """An fp32 copy of the bf16 logits (rows, V) divided by the temperature (an fp32 tensor), as vLLM 0.20's
-    V2 sampler divides them (its Triton kernel on CUDA; at T = 1 it does nothing)."""
-    x = logits.to(_acc(logits.dtype), copy=True)  # fp32 (fp64 in gradchecks); the kept logits stay as they are
-    if not x.is_cuda:
-        return x / temperature
-    from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
-
-    apply_temperature(x, torch.zeros(len(x), dtype=torch.int32, device=x.device), temperature.reshape(1))
-    return x
+    """The bf16 logits (rows, V) in fp32 divided by the temperature, a tensor, as vLLM 0.20's sampler divides
+    them (`logits.div_(temp)`): dividing by a Python float would multiply by its reciprocal, other bits."""
+    return logits.to(_acc(logits.dtype)) / temperature  # fp32 (fp64 in gradchecks)
 
 
 def truncated(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -133,14 +127,14 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
     return apply_top_k_top_p_triton(logits, k, p)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits) (rows, V) fp32 at `targets` (rows,): on CUDA vLLM's V2 sampler kernel for the
-    sampled token's logprob (`compute_token_logprobs`, one row at a time)."""
-    if logits.is_cuda:
-        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-softmax (rows, V) fp32: on CUDA vLLM's batch-invariant Triton kernel, which its sampler
+    runs for the processed logprobs in batch-invariant mode."""
+    if x.is_cuda:
+        from vllm.model_executor.layers.batch_invariant import log_softmax as vllm_log_softmax
 
-        return compute_token_logprobs(logits, targets[:, None])[:, 0]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+        return vllm_log_softmax(x)
+    return torch.log_softmax(x, dim=-1)
 
 
 def entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
@@ -159,7 +153,8 @@ def sampled_distribution(logits, targets, temperature: torch.Tensor, top_k: int,
         before = torch.logsumexp(x, dim=-1)
         x = truncated(x, top_k, top_p)
         kept, cut = (x > float("-inf")).sum(-1), 1 - torch.exp(torch.logsumexp(x, dim=-1) - before)
-    return token_logprobs(x, targets), entropy_of(torch.log_softmax(x, dim=-1)), kept, cut
+    logprobs = log_softmax(x)
+    return logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy_of(logprobs), kept, cut
 
 
 def lm_head_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -437,8 +432,8 @@ def _attention_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens, scale
 class LMHeadLogprobs(torch.autograd.Function):
     """lm_head and the sampler's logprobs, fused. `tiled_linear` gives the bf16 logits z of all rows
     (vLLM's lm_head). Then, a chunk of rows at a time, `sampled_distribution` makes them what vLLM's sampler
-    samples from (divided by the temperature, top-k/top-p masked), and vLLM's logprob kernel gives the
-    logprob of each target under that distribution (vLLM's processed logprobs), plus each row's entropy.
+    samples from (divided by the temperature, top-k/top-p masked), and vLLM's batch-invariant log-softmax
+    gives the logprob of each target under that distribution (vLLM's processed logprobs), and the entropy.
     The kernels compute a row the same way whatever the other rows, so chunking changes no bit. Only the
     bf16 (C, V) logits are kept for the backward: the fp32 (rows, V) temporaries exist for one chunk at
     a time, never for the whole micro-batch.
@@ -473,8 +468,7 @@ class LMHeadLogprobs(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for i in range(0, n, ctx.rows):
             rows = slice(i, i + ctx.rows)
-            x = truncated(tempered_logits(logits[rows], temp), ctx.top_k, ctx.top_p)
-            lp = torch.log_softmax(x.to(acc), dim=-1)
+            lp = torch.log_softmax(truncated(tempered_logits(logits[rows], temp), ctx.top_k, ctx.top_p), dim=-1)
             if grad_entropy is None:
                 grad = lp.exp_().mul_(-g_lp[rows, None])  # -p * g_lp
             else:

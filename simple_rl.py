@@ -12,8 +12,8 @@ The guarantee, checked every step on every sampled token and asserted unless --n
 logprob the trainer computes for a sampled token equals, bit for bit, the logprob vLLM returned when it
 sampled that token, whatever the batch either side ran it in. So the policy that generated the data is
 exactly the policy being trained (the importance ratio is exactly 1), and k3 KL between them is exactly 0.
-It holds with VLLM_BATCH_INVARIANT=1 on vLLM 0.20.0 (FlashAttention 3, CUDA graphs without torch.compile,
-the V2 model runner), three of whose kernels this script swaps in-process, in the engine and the trainer
+It holds with VLLM_BATCH_INVARIANT=1 on vLLM 0.20.0 (FlashAttention 3, CUDA graphs without torch.compile),
+three of whose kernels this script swaps in-process, in the engine and the trainer
 alike: the fused add+RMSNorm (not batch-invariant in 0.20), the matmul (re-tiled per batch size: the same
 bits, sooner) and top-k/top-p (one implementation at every batch size).
 
@@ -971,7 +971,7 @@ def install_exact_kernels() -> None:
       kernel at any number of rows, so a kept set does not depend on how many sequences a step decodes."""
     from vllm.model_executor.layers import layernorm, linear, vocab_parallel_embedding
     from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
-    from vllm.v1.worker.gpu.sample import states
+    from vllm.v1.sample.ops import topk_topp_sampler
 
     def fused_add_rms_norm(x, residual, weight, variance_epsilon):
         residual = x + residual
@@ -979,7 +979,7 @@ def install_exact_kernels() -> None:
 
     layernorm.fused_add_rms_norm = fused_add_rms_norm
     linear.linear_batch_invariant = vocab_parallel_embedding.linear_batch_invariant = tiled_linear
-    states.apply_top_k_top_p = top_k_top_p
+    topk_topp_sampler.apply_top_k_top_p = top_k_top_p
 
 
 # CUDA graphs without torch.compile: the graphs replay the very kernels eager mode launches, so the bits
@@ -991,14 +991,16 @@ CUDA_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # mode 0: Compi
 class VLLMEngine:
     """vLLM in this process, on this GPU, serving the checkpoint the trainer loaded: FlashAttention 3, CUDA
     graphs without compile (or eager), no prefix caching (weights change every step), token ids in and out.
-    With sleep mode it gives its GPU memory back while the trainer runs. It runs vLLM 0.20's V2 model
-    runner, whose sampler draws every seeded request's noise in one kernel (the V1 runner's loops over the
-    requests in Python), and knows the checksum of the weights it serves."""
+    With sleep mode it gives its GPU memory back while the trainer runs. It knows the checksum of the
+    weights it serves."""
 
     def __init__(self, model_dir: Path, gpu_memory_utilization: float, max_model_len: int, seed: int,
                  cuda_graphs: bool = True, sleep_mode: bool = True, max_num_seqs: int = 256, **vllm_args):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in this process
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        # 0.20's V2 model runner draws every seeded request's noise in one kernel (V1 loops over them in
+        # Python), but loses state in a level-2 sleep: its first generation after a wake-up failed with an
+        # illegal memory access (H100). The V1 runner, then.
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # quiet; VLLM_LOGGING_LEVEL=INFO shows vLLM's log
         import vllm
 
@@ -1547,7 +1549,7 @@ def parity_record(args: Args, model: Qwen3, totals: dict) -> dict:
              "gate_up": (2 * a.hidden_dim, a.dim), "down": (a.dim, a.hidden_dim), "lm_head": (a.vocab_size, a.dim)}
     tiles = {f"{name} rows={m}": list(matmul_tiles(m, n, k, sms).values())
              for name, (n, k) in gemms.items() for m in (1, 32, 256, 8192)}
-    kernels = {"batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1", "model_runner": "V2",
+    kernels = {"batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1", "model_runner": "V1",
                "cuda_graphs": CUDA_GRAPHS if args.engine.vllm_cuda_graphs else "eager",
                "matmul_tiles (BLOCK_M, BLOCK_N, warps, stages)": tiles}
     return {"stack": stack_versions(), "kernels": kernels, "sampling": asdict(args.sampling), **totals}
