@@ -1,6 +1,12 @@
 """offline_demo.py on the CPU: its task is scored by simple_rl's reward, its model loads in the
 trainer, and its figure and summary come from TensorBoard runs."""
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
 from torch.utils.tensorboard import SummaryWriter
 
 import offline_demo
@@ -34,3 +40,14 @@ def test_summary_and_plot_from_two_runs(tmp_path):
     assert "first 10 0.100 -> last 10 0.400 (4.00x, +0.300)" in line and "total 0" in line
     offline_demo.plot({name: tmp_path / name for name in offline_demo.RUNS}, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_without_a_gpu_the_demo_says_so_and_builds_nothing(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    demo = Path(__file__).resolve().parents[1] / "offline_demo.py"
+    result = subprocess.run([sys.executable, str(demo)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        "error: offline_demo.py trains with vLLM on a GPU, and this machine has none (--plot-only redraws the figure "
+        "of existing runs)"]
+    assert list(tmp_path.iterdir()) == []

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -377,10 +378,24 @@ def test_bad_checkpoints_stop_before_the_engine(tmp_path):
         shutil.copy(good / f, no_tokenizer / f)
     cases["head_dim is 64; vLLM's attention is bitwise the trainer's only at head_dim 128 or 256"] = (
         write_gsm8k_model(tmp_path / "head_dim_64", head_dim=64))
-    for message, model_dir in cases.items():
-        error = one_line_error(run_script("--model", str(model_dir), *flags, env_update=ON, cwd=tmp_path))
+    with ThreadPoolExecutor(3) as pool:  # each run loads torch and transformers: a few seconds
+        results = pool.map(lambda m: run_script("--model", str(m), *flags, env_update=ON, cwd=tmp_path), cases.values())
+    for (message, model_dir), result in zip(cases.items(), results):
+        error = one_line_error(result)
         assert message in error and str(model_dir) in error, error
     assert not (tmp_path / "runs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_disk_too_small_for_a_checkpoint_is_warned_of_up_front(tmp_path, monkeypatch, capsys):
+    model_args = simple_rl.model_args_from_hf_config(simple_rl.read_config(write_gsm8k_model(tmp_path / "m")))
+    with torch.device("meta"):
+        params = sum(p.numel() for p in simple_rl.Qwen3(model_args).parameters())
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 16 * params - 1))
+    simple_rl.warn_if_short_of_disk(make_args(output_dir=str(tmp_path / "out")), model_args)
+    assert "a checkpoint of this model needs about" in capsys.readouterr().out
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 16 * params))
+    simple_rl.warn_if_short_of_disk(make_args(output_dir=str(tmp_path / "out")), model_args)
+    assert capsys.readouterr().out == ""
 
 
 def test_head_sizes_whose_attention_vllm_computes_otherwise_are_refused():
