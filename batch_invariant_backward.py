@@ -111,7 +111,8 @@ def truncated(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         return top_k_top_p(x, k, p)
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    dropped = apply_top_k_top_p_pytorch(x.detach().clone(), k, p) == float("-inf")  # the sort is not autograd's
+    # The sort runs outside autograd; the mask it finds is applied under it.
+    dropped = apply_top_k_top_p_pytorch(x.detach().clone(), k, p) == float("-inf")
     return x.masked_fill(dropped, float("-inf"))
 
 
@@ -161,12 +162,14 @@ def lm_head_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targe
                                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """hidden (C, dim), lm_head weight (V, dim), targets (C,) -> what `sampled_distribution` gives for their
     logits, in plain PyTorch under autograd on any device."""
-    x = linear_reference(hidden, weight).to(_acc(hidden.dtype)) / torch.tensor(temperature, dtype=_acc(hidden.dtype))
+    x = linear_reference(hidden, weight).to(_acc(hidden.dtype)) / torch.tensor(temperature,
+                                                                                dtype=_acc(hidden.dtype))
     before = torch.logsumexp(x.detach(), dim=-1)
     x = truncated(x, top_k, top_p)
     logprobs = torch.log_softmax(x, dim=-1)
     cut = 1 - torch.exp(torch.logsumexp(x.detach(), dim=-1) - before)
-    return logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy_of(logprobs), (x > float("-inf")).sum(-1), cut
+    return (logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy_of(logprobs),
+            (x > float("-inf")).sum(-1), cut)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,8 +196,8 @@ def matmul_tiles(M: int, N: int, K: int, num_sms: int) -> dict:
         block_n = 128 if K <= 2048 else 64 if K <= 4096 else 32
         while block_n > 16 and rows * -(-N // block_n) < num_sms // 5:
             block_n //= 2
-    return dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, num_warps=8 if block_m * block_n >= 128 * 128 else 4,
-                num_stages=4)
+    return dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n,
+                num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=4)
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -351,7 +354,8 @@ class Rotary(torch.autograd.Function):
 def _deterministic_algorithms():
     """PyTorch's flash-attention backward accumulates dQ with atomics unless deterministic
     algorithms are strictly on; switch them on for that one call and restore the caller's mode."""
-    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    previous = (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True)
     try:
         yield
@@ -468,13 +472,15 @@ class LMHeadLogprobs(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for i in range(0, n, ctx.rows):
             rows = slice(i, i + ctx.rows)
-            lp = torch.log_softmax(truncated(tempered_logits(logits[rows], temp), ctx.top_k, ctx.top_p), dim=-1)
+            lp = torch.log_softmax(truncated(tempered_logits(logits[rows], temp), ctx.top_k, ctx.top_p),
+                                   dim=-1)
             if grad_entropy is None:
                 grad = lp.exp_().mul_(-g_lp[rows, None])  # -p * g_lp
             else:
                 p = lp.exp()
                 lp.masked_fill_(p == 0, 0)  # -inf outside the kept set, where p is 0
-                grad = (lp + entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(g_lp[rows, None]).mul_(-p)
+                grad = ((lp + entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(g_lp[rows, None])
+                        .mul_(-p))
             grad_logits[rows] = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None]).div_(temp)
         return grad_logits @ weight, grad_logits.t() @ hidden, None, None, None, None
 

@@ -292,8 +292,8 @@ def check_resume(args: Args) -> tuple[Args, int]:
 def check_output(run: Run) -> None:
     """runs/<run_name> and <output_dir>/<run_name> can be written, and a new run overwrites nothing."""
     if not re.fullmatch(r"[\w.-]+", run.run_name) or run.run_name in (".", ".."):
-        raise UsageError(f"--run-name {run.run_name!r}: give a plain name (letters, digits, '.', '-', '_'): it "
-                         "names the folders runs/<name> and <output-dir>/<name>")
+        raise UsageError(f"--run-name {run.run_name!r}: give a plain name (letters, digits, '.', '-', '_'): "
+                         "it names the folders runs/<name> and <output-dir>/<name>")
     for root, what in ((Path(run.output_dir), "--output-dir"), (Path("runs"), "TensorBoard's runs/")):
         existing = next(p for p in (root, *root.absolute().parents) if p.exists())
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
@@ -332,7 +332,8 @@ def check_args(args: Args, world_size: int) -> Args:
         (lo.kl_coef >= 0, "--kl-coef must be >= 0"),
         (lo.entropy_coef >= 0, "--entropy-coef must be >= 0"),
         (e.max_tokens_per_microbatch >= d.max_prompt_tokens + s.max_new_tokens,
-         "--max-tokens-per-microbatch must hold one whole sequence (>= --max-prompt-tokens + --max-new-tokens)"),
+         "--max-tokens-per-microbatch must hold one whole sequence "
+         "(>= --max-prompt-tokens + --max-new-tokens)"),
         (w.sft_steps >= 0, "--sft-steps must be >= 0"),
         (w.sft_lr > 0, "--sft-lr must be > 0"),
         (w.sft_batch_size >= 1, "--sft-batch-size must be at least 1"),
@@ -345,7 +346,8 @@ def check_args(args: Args, world_size: int) -> Args:
         (not (d.dataset and r.eval_every and not d.eval_dataset),
          "--dataset is local: pass --eval-dataset (a local test jsonl) too, or --eval-every 0"),
         (invariant in (None, "0", "1"),
-         f"VLLM_BATCH_INVARIANT is {invariant!r}, but vLLM reads it as an integer: set VLLM_BATCH_INVARIANT=1"),
+         f"VLLM_BATCH_INVARIANT is {invariant!r}, but vLLM reads it as an integer: "
+         "set VLLM_BATCH_INVARIANT=1"),
         (not p.assert_bitwise or invariant == "1",
          f"VLLM_BATCH_INVARIANT is {invariant or 'not set'}, so vLLM's logprobs cannot equal the trainer's: "
          "set VLLM_BATCH_INVARIANT=1, or pass --no-assert-bitwise to run anyway and report the mismatch"),
@@ -362,11 +364,12 @@ def check_args(args: Args, world_size: int) -> Args:
     if r.resume:
         args, _ = check_resume(args)
     elif r.run_name is None:
-        args = dataclasses.replace(args, run=dataclasses.replace(r, run_name=time.strftime("grpo_%Y%m%d_%H%M%S")))
+        args = dataclasses.replace(args, run=dataclasses.replace(
+            r, run_name=time.strftime("grpo_%Y%m%d_%H%M%S")))
     check_output(args.run)
     if o.warmup_steps > o.steps:
-        print(f"note: --warmup-steps {o.warmup_steps} is more than --steps {o.steps}: the learning rate warms "
-              f"up over all {o.steps} steps")
+        print(f"note: --warmup-steps {o.warmup_steps} is more than --steps {o.steps}: the learning rate "
+              f"warms up over all {o.steps} steps")
         args = dataclasses.replace(args, optimizer=dataclasses.replace(o, warmup_steps=o.steps))
     return args
 
@@ -448,7 +451,8 @@ class World:
         dist.all_gather(lengths, torch.tensor([len(x)], device=device))
         lengths = [int(n) for n in lengths]
         parts = [torch.empty(max(lengths), dtype=x.dtype, device=device) for _ in range(self.size)]
-        dist.all_gather(parts, F.pad(x.to(device), (0, max(lengths) - len(x))))  # all_gather needs equal sizes
+        # all_gather needs equal sizes: padded to the longest
+        dist.all_gather(parts, F.pad(x.to(device), (0, max(lengths) - len(x))))
         return torch.cat([part[:n] for part, n in zip(parts, lengths)]).to(x.device)
 
     def barrier(self) -> None:
@@ -521,8 +525,8 @@ def load_gsm8k(path: str | None, split: str) -> list[dict]:
         try:
             rows = load_dataset("openai/gsm8k", "main", split=split)
         except Exception as e:
-            raise ValueError(f"cannot load openai/gsm8k from the hub ({type(e).__name__}): pass --dataset and "
-                             "--eval-dataset with local jsonl files") from e
+            raise ValueError(f"cannot load openai/gsm8k from the hub ({type(e).__name__}): pass --dataset "
+                             "and --eval-dataset with local jsonl files") from e
         return [{"question": r["question"], "answer": r["answer"]} for r in rows]
     if not Path(path).is_file():
         what = "a directory" if Path(path).is_dir() else "no such file"
@@ -541,7 +545,8 @@ def load_gsm8k(path: str | None, split: str) -> list[dict]:
             raise ValueError(f"{path} line {n}: not valid JSON") from None
         if not (isinstance(row, dict) and isinstance(row.get("question"), str)
                 and isinstance(row.get("answer"), str)):
-            raise ValueError(f"{path} line {n}: need a JSON object with string fields 'question' and 'answer'")
+            raise ValueError(f"{path} line {n}: need a JSON object with string fields 'question' and "
+                             "'answer'")
         # GSM8K's answers end in '#### N': a bare last number would be a guess at the answer.
         final = ANSWER_AFTER_HASHES.search(row["answer"])
         if final is None or parse_number(final.group(1)) is None:
@@ -568,7 +573,8 @@ def encode_dataset(rows, tokenizer, data: Data, name: str) -> list[dict]:
     if data.prompt_format == "chat" and not has_template:
         raise ValueError("--prompt-format chat: this tokenizer has no chat template; use plain or auto")
     use_chat = data.prompt_format == "chat" or (data.prompt_format == "auto" and has_template)
-    encoded = [dict(r, prompt_ids=encode_prompt(tokenizer, r["question"], use_chat, data.thinking)) for r in rows]
+    encoded = [dict(r, prompt_ids=encode_prompt(tokenizer, r["question"], use_chat, data.thinking))
+               for r in rows]
     kept = [r for r in encoded if len(r["prompt_ids"]) <= data.max_prompt_tokens]
     if len(kept) < len(encoded):
         print(f"{name}: {len(encoded) - len(kept)} of {len(encoded)} prompts exceed --max-prompt-tokens "
@@ -679,12 +685,14 @@ def model_args_from_hf_config(config: dict):
 
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     return Qwen3ModelArgs(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
+        dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"],
         n_kv_heads=config["num_key_value_heads"], vocab_size=config["vocab_size"],
         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         hidden_dim=config["intermediate_size"], norm_eps=config["rms_norm_eps"],
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 1_000_000)),
-        max_seq_len=config["max_position_embeddings"], enable_weight_tying=config.get("tie_word_embeddings", False),
+        max_seq_len=config["max_position_embeddings"],
+        enable_weight_tying=config.get("tie_word_embeddings", False),
     )  # fmt: skip
 
 
@@ -701,8 +709,9 @@ def check_bitwise_head_dim(head_dim: int, longest: int, model_dir: Path) -> None
     tokens fits one tile either way. Other head sizes are untested."""
     if head_dim in BITWISE_HEAD_DIMS or (head_dim == 64 and longest <= 128):
         return
-    raise ValueError(f"--model {model_dir}: head_dim is {head_dim}; vLLM's attention is bitwise the trainer's "
-                     "only at head_dim 128 or 256, or 64 with sequences of at most 128 tokens (here "
+    raise ValueError(f"--model {model_dir}: head_dim is {head_dim}; vLLM's attention is bitwise the "
+                     "trainer's only at head_dim 128 or 256, or 64 with sequences of at most 128 tokens "
+                     "(here "
                      f"--max-prompt-tokens + --max-new-tokens = {longest})")
 
 
@@ -900,8 +909,8 @@ def check_checkpoint(model_dir: Path, args) -> None:
     for f in files:
         try:
             with safe_open(f, "pt") as weights:
-                found |= {name: (tuple(weights.get_slice(name).get_shape()), weights.get_slice(name).get_dtype())
-                          for name in weights.keys()}
+                found |= {name: (tuple(weights.get_slice(name).get_shape()),
+                                 weights.get_slice(name).get_dtype()) for name in weights.keys()}
         except SafetensorError as e:
             raise ValueError(f"--model {model_dir}: {f.name} is not a whole safetensors file ({e}); download "
                              "or save it again") from None
@@ -919,8 +928,8 @@ def check_checkpoint(model_dir: Path, args) -> None:
                          + "; ".join(problems[:3]) + more)
     other = sorted({dtype for _, dtype in found.values()} - {"BF16"})
     if other:  # vLLM would serve them rounded to bf16, the trainer would train other weights
-        raise ValueError(f"--model {model_dir}: the weights are {', '.join(other)}; both sides run bf16 weights: "
-                         "save the checkpoint in bfloat16")
+        raise ValueError(f"--model {model_dir}: the weights are {', '.join(other)}; both sides run bf16 "
+                         "weights: save the checkpoint in bfloat16")
 
 
 def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bfloat16,
@@ -937,7 +946,8 @@ def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bf
     try:
         model.load_state_dict(from_hf_state_dict(hf_state, args), strict=True)
     except (KeyError, RuntimeError) as e:
-        raise ValueError(f"--model {model_dir}: weights do not match config.json ({str(e).splitlines()[0]})") from e
+        raise ValueError(f"--model {model_dir}: weights do not match config.json "
+                         f"({str(e).splitlines()[0]})") from e
     return model
 
 
@@ -1001,22 +1011,23 @@ class VLLMEngine:
         # Python), but loses state in a level-2 sleep: its first generation after a wake-up failed with an
         # illegal memory access (H100). The V1 runner, then.
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # quiet; VLLM_LOGGING_LEVEL=INFO shows vLLM's log
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # quiet; =INFO brings vLLM's log back
         import vllm
 
         if vllm.__version__ != "0.20.0":
-            raise ValueError(f"vLLM {vllm.__version__} is installed; this script mirrors vLLM 0.20.0's kernels: "
-                             "pip install vllm==0.20.0")
+            raise ValueError(f"vLLM {vllm.__version__} is installed; this script mirrors vLLM 0.20.0's "
+                             "kernels: pip install vllm==0.20.0")
         if os.environ.get("VLLM_BATCH_INVARIANT") == "1":
             install_exact_kernels()
         graphs = {"compilation_config": CUDA_GRAPHS} if cuda_graphs else {"enforce_eager": True}
         self.llm = vllm.LLM(
             model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=seed,
             enable_prefix_caching=False, enable_sleep_mode=sleep_mode,
-            logprobs_mode="processed_logprobs",  # of the distribution sampled from: after temperature, top-k/p
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            logprobs_mode="processed_logprobs",  # of the distribution sampled from: after T, top-k/p
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
             attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3},
-            **graphs, **vllm_args,  # more vllm.LLM arguments (the tests give a second engine a fixed KV cache)
+            **graphs, **vllm_args,  # more vllm.LLM arguments (tests give a second engine a fixed KV cache)
         )  # fmt: skip
         self.served_checksum = self.weights_checksum()
 
@@ -1029,7 +1040,8 @@ class VLLMEngine:
         params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=n, seed=s,
                                  logprobs=0, detokenize=False, stop_token_ids=list(stop_token_ids),
                                  ignore_eos=ignore_eos) for n, s in zip(max_tokens, seeds)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                    use_tqdm=False)
         completions, logprobs = [], []
         for out in outputs:
             sample = out.outputs[0]
@@ -1071,8 +1083,8 @@ class VLLMEngine:
         """The served weights equal the trainer's, and have changed if the update changed any."""
         checksum = self.weights_checksum()
         if checksum != trainer_checksum(model, world) or (changed and checksum == self.served_checksum):
-            raise RuntimeError(f"vLLM does not serve the trainer's weights (checksum {self.served_checksum} -> "
-                               f"{checksum}, trainer {trainer_checksum(model, world)})")
+            raise RuntimeError(f"vLLM does not serve the trainer's weights (checksum {self.served_checksum} "
+                               f"-> {checksum}, trainer {trainer_checksum(model, world)})")
         self.served_checksum = checksum
 
 
@@ -1300,7 +1312,8 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
     prompts, answers = [r["prompt_ids"] for r in rows], [r["answer_ids"] for r in rows]
     n_tokens = int(world.sum(torch.tensor(sum(len(a) for a in answers))))
     total = 0.0
-    for _, batch in packed_micro_batches(prompts, answers, args.engine.max_tokens_per_microbatch, device, world):
+    for _, batch in packed_micro_batches(prompts, answers, args.engine.max_tokens_per_microbatch, device,
+                                         world):
         loss = -model(batch).logprobs.sum() / n_tokens
         loss.backward()
         optimizer.accumulate_grads()
@@ -1377,8 +1390,8 @@ def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torc
     token = flat - (int(ends[sample - 1]) if sample else 0)
     where = f" (sampled on rank {sample * world.size // len(tokens)})" if world.size > 1 else ""
     first = Mismatch(f"sample {sample}{where} token {token} (id {tokens[sample][token]}): vLLM logprob "
-                     f"{float(v[flat])!r} but trainer {float(t[flat])!r}; {mismatched} of {len(v)} sampled tokens "
-                     "differ", sample, token)
+                     f"{float(v[flat])!r} but trainer {float(t[flat])!r}; {mismatched} of {len(v)} sampled "
+                     "tokens differ", sample, token)
     return metrics, "\n".join(lines if show else lines[-1:]), first
 
 
@@ -1516,7 +1529,8 @@ def training_state(optimizer: MasterWeights, ref_model) -> dict:
     RNG states. Before the first AdamW step its state is made as AdamW makes it, to load into."""
     for master in optimizer.masters:
         optimizer.optimizer.state[master] = optimizer.optimizer.state[master] or {
-            "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
+            "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master),
+            "exp_avg_sq": torch.zeros_like(master)}
     names = [name for name, _ in optimizer.named]
     state = {"masters": dict(zip(names, optimizer.masters)),
              "adam": {name: optimizer.optimizer.state[m] for name, m in zip(names, optimizer.masters)},
@@ -1534,8 +1548,9 @@ def stack_versions() -> dict:
 
     smi = shutil.which("nvidia-smi")
     driver = smi and os.popen(f"{smi} --query-gpu=driver_version --format=csv,noheader").read().split("\n")[0]
-    return {"torch": torch.__version__, "vllm": version("vllm"), "triton": version("triton"), "cuda": torch.version.cuda,
-            "driver": driver or None, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    return {"torch": torch.__version__, "vllm": version("vllm"), "triton": version("triton"),
+            "cuda": torch.version.cuda, "driver": driver or None,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
 
 
 def parity_record(args: Args, model: Qwen3, totals: dict) -> dict:
@@ -1545,8 +1560,9 @@ def parity_record(args: Args, model: Qwen3, totals: dict) -> dict:
 
     a, sms = model.args, (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                           if torch.cuda.is_available() else 132)
-    gemms = {"qkv": ((a.n_heads + 2 * a.n_kv_heads) * a.head_dim, a.dim), "o_proj": (a.dim, a.n_heads * a.head_dim),
-             "gate_up": (2 * a.hidden_dim, a.dim), "down": (a.dim, a.hidden_dim), "lm_head": (a.vocab_size, a.dim)}
+    gemms = {"qkv": ((a.n_heads + 2 * a.n_kv_heads) * a.head_dim, a.dim),
+             "o_proj": (a.dim, a.n_heads * a.head_dim), "gate_up": (2 * a.hidden_dim, a.dim),
+             "down": (a.dim, a.hidden_dim), "lm_head": (a.vocab_size, a.dim)}
     tiles = {f"{name} rows={m}": list(matmul_tiles(m, n, k, sms).values())
              for name, (n, k) in gemms.items() for m in (1, 32, 256, 8192)}
     kernels = {"batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1", "model_runner": "V1",
@@ -1578,7 +1594,7 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, inputs, a
             shutil.rmtree(stale)
         if args.run.keep_last:
             for old in sorted(out_dir.parent.glob("step_[0-9]*"))[: -args.run.keep_last]:
-                if old.resolve() != inputs.model_dir.resolve():  # a resumed run's tokenizer files come from there
+                if old.resolve() != inputs.model_dir.resolve():  # a resumed run's tokenizer files are there
                     shutil.rmtree(old)
 
 
@@ -1603,8 +1619,8 @@ def warn_if_another_stack(saved: dict, checkpoint_dir: Path) -> None:
     changed = [f"{key} {saved['stack'].get(key)} -> {now}" for key, now in stack_versions().items()
                if saved["stack"].get(key) != now]
     if changed:
-        print(f"warning: --resume {checkpoint_dir} was saved on another stack ({', '.join(changed)}): the run "
-              "continues bit for bit only on the same one")
+        print(f"warning: --resume {checkpoint_dir} was saved on another stack ({', '.join(changed)}): the "
+              "run continues bit for bit only on the same one")
 
 
 # =============================================================================================
@@ -1674,7 +1690,8 @@ def step_scalars(rollouts: Rollouts, loss_metrics: dict, parity: dict, grad_norm
     n_generated = sum(len(c) for c in rollouts.completions)
     scalars = {f"train/{k}": v for k, v in loss_metrics.items()} | {
         "train/grad_norm": grad_norm, "train/lr": lr,
-        "reward/reward_mean": float(rollouts.rewards.mean()), "reward/reward_std": float(rollouts.rewards.std()),
+        "reward/reward_mean": float(rollouts.rewards.mean()),
+        "reward/reward_std": float(rollouts.rewards.std()),
         "reward/completion_tokens_mean": n_generated / len(rollouts.completions),
         "perf/generate_tokens_per_s": n_generated / times["generate"],
         "perf/train_tokens_per_s": n_generated / times["train"],
@@ -1765,9 +1782,10 @@ def vllm_trace(engine: VLLMEngine, tokens: list[int]) -> dict:
         return output[1]
 
     def register(served):
-        hooks = [(served.model.embed_tokens, (0, "residual_in"), first), (served.model.norm, (None, "final_norm"),
-                 first), (served.model.norm, (None, "final_residual"), second),
-                 (served.logits_processor, (None, "logits"), first)]  # fmt: skip
+        hooks = [(served.model.embed_tokens, (0, "residual_in"), first),
+                 (served.model.norm, (None, "final_norm"), first),
+                 (served.model.norm, (None, "final_residual"), second),
+                 (served.logits_processor, (None, "logits"), first)]
         for i, layer in enumerate(served.model.layers):
             att, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
             modules = {"attention_norm": layer.input_layernorm, "qkv": att.qkv_proj, "q_norm": att.q_norm,
@@ -1843,8 +1861,8 @@ def resolve_model_dir(model: str) -> Path:
     try:
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
     except Exception as e:
-        raise ValueError(f"--model {model}: cannot download it from the hub ({type(e).__name__}); pass a local "
-                         "checkpoint directory") from e
+        raise ValueError(f"--model {model}: cannot download it from the hub ({type(e).__name__}); pass a "
+                         "local checkpoint directory") from e
 
 
 def warn_if_short_of_disk(args: Args, model_args) -> None:
@@ -1883,7 +1901,8 @@ def load_inputs(args: Args) -> Inputs:
     longest = args.data.max_prompt_tokens + args.sampling.max_new_tokens
     if longest > model_args.max_seq_len:
         raise ValueError(f"--max-prompt-tokens + --max-new-tokens = {longest}, but the model has "
-                         f"{model_args.max_seq_len} positions ({model_dir}/config.json: max_position_embeddings)")
+                         f"{model_args.max_seq_len} positions ({model_dir}/config.json: "
+                         "max_position_embeddings)")
     check_bitwise_head_dim(model_args.head_dim, longest, model_dir)
     check_checkpoint(model_dir, model_args)
     warn_if_short_of_disk(args, model_args)
@@ -1894,12 +1913,14 @@ def load_inputs(args: Args) -> Inputs:
                          f"{str(e).splitlines()[0]})") from e
     # transformers makes a 1-token tokenizer from a directory without tokenizer files.
     if not 1 < len(tokenizer) <= model_args.vocab_size:
-        raise ValueError(f"--model {model_dir}: its tokenizer has {len(tokenizer)} token(s) for a vocabulary of "
-                         f"{model_args.vocab_size} (tokenizer files missing, or from another model)")
+        raise ValueError(f"--model {model_dir}: its tokenizer has {len(tokenizer)} token(s) for a "
+                         f"vocabulary of {model_args.vocab_size} (tokenizer files missing, or from another "
+                         "model)")
     train_rows = encode_dataset(load_gsm8k(args.data.dataset, "train"), tokenizer, args.data, "train set")
     eval_rows = []
     if args.run.eval_every:
-        eval_rows = encode_dataset(load_gsm8k(args.data.eval_dataset, "test"), tokenizer, args.data, "eval set")
+        eval_rows = encode_dataset(load_gsm8k(args.data.eval_dataset, "test"), tokenizer, args.data,
+                                   "eval set")
     start_step = saved_run(model_dir)[1] if args.run.resume else 0
     return Inputs(model_dir, model_args, start_step, tokenizer, end_of_sequence_ids(tokenizer, model_dir),
                   train_rows, eval_rows[: args.run.eval_samples])
@@ -1931,15 +1952,17 @@ def warm_start(model: Qwen3, inputs: Inputs, order: list[int], args: Args, world
     writer = SummaryWriter(str(Path("runs") / args.run.run_name / "warm_start")) if world.is_main else None
     for step in tqdm(range(args.warm_start.sft_steps), desc="warm start", unit="step", file=sys.stdout,
                      disable=not world.is_main):
-        loss = sft_step(model, optimizer, step_rows(inputs.train_rows, order, step, args.warm_start.sft_batch_size),
-                        args, world)
+        loss = sft_step(model, optimizer,
+                        step_rows(inputs.train_rows, order, step, args.warm_start.sft_batch_size), args,
+                        world)
         if writer:
             writer.add_scalar("sft/loss", loss, step)
     if writer:
         writer.close()
 
 
-def explain_mismatch(engine: VLLMEngine, model: Qwen3, rollouts: Rollouts, first: Mismatch, world: World) -> str:
+def explain_mismatch(engine: VLLMEngine, model: Qwen3, rollouts: Rollouts, first: Mismatch,
+                     world: World) -> str:
     """Wake vLLM with the weights that sampled (no update has been made) and find where the first
     mismatching sample's computation parts: the sequence up to the token, whose last row predicts it."""
     engine.sync_weights(model, world, changed=False)
@@ -1950,7 +1973,8 @@ def explain_mismatch(engine: VLLMEngine, model: Qwen3, rollouts: Rollouts, first
         return f"not found, the locator failed ({type(e).__name__}: {e})"
 
 
-def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: list[int], writer, world: World):
+def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: list[int], writer,
+         world: World):
     """The GRPO loop: vLLM samples while the trainer's weights wait in memory; vLLM sleeps while the trainer
     trains; then the new weights wake vLLM up."""
     from tqdm import tqdm
@@ -1958,13 +1982,15 @@ def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: li
     s, p, run = args.sampling, args.parity, args.run
 
     def log_eval(updates: int) -> None:  # logged at the number of GRPO updates made so far
-        accuracy = evaluate(engine, inputs.tokenizer, inputs.eval_rows, s.max_new_tokens, inputs.stop_ids, world)
+        accuracy = evaluate(engine, inputs.tokenizer, inputs.eval_rows, s.max_new_tokens, inputs.stop_ids,
+                            world)
         if writer:
             writer.add_scalar("eval/accuracy", accuracy, updates)
-            tqdm.write(f"after {updates} GRPO steps: greedy accuracy {accuracy:.3f} on {len(inputs.eval_rows)} "
-                       "test questions")
+            tqdm.write(f"after {updates} GRPO steps: greedy accuracy {accuracy:.3f} on "
+                       f"{len(inputs.eval_rows)} test questions")
 
-    ref_model = reference_policy(model, world) if args.loss.kl_coef > 0 else None  # the policy GRPO starts from
+    # The reference policy (for KL) is the policy GRPO starts from.
+    ref_model = reference_policy(model, world) if args.loss.kl_coef > 0 else None
     optimizer = MasterWeights(model, args.optimizer.lr, args.optimizer.weight_decay)
     totals = {"tokens_checked": 0, "mismatched_tokens": 0}
     if inputs.start_step:
@@ -1985,13 +2011,14 @@ def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: li
         with phase("train", times, memory):
             engine.sleep()
             ref_logprobs = None if ref_model is None else reference_logprobs(ref_model, rollouts, args, world)
-            loss_metrics, trainer_logprobs = train_on_rollouts(model, optimizer, rollouts, ref_logprobs, args, world)
+            loss_metrics, trainer_logprobs = train_on_rollouts(model, optimizer, rollouts, ref_logprobs, args,
+                                                               world)
             rollouts, trainer_logprobs = whole_step(rollouts, trainer_logprobs, world)  # every rank's samples
-            parity, report, first = parity_report(rollouts.vllm_logprobs, trainer_logprobs, rollouts.completions,
-                                                  p.parity_report_tokens, world)
+            parity, report, first = parity_report(rollouts.vllm_logprobs, trainer_logprobs,
+                                                  rollouts.completions, p.parity_report_tokens, world)
             if writer:  # every rank sees the whole step: all locate and stop together
-                tqdm.write((f"step {step} parity (first tokens of sample 0):\n" if p.parity_report_tokens else "")
-                           + report)
+                tqdm.write((f"step {step} parity (first tokens of sample 0):\n"
+                            if p.parity_report_tokens else "") + report)
             if first and (p.assert_bitwise or p.locate_divergence):
                 message = f"step {step}: {first.message}; first divergence: " + explain_mismatch(
                     engine, model, rollouts, first, world)
@@ -2019,10 +2046,11 @@ def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: li
         if (run.save_every and (step + 1) % run.save_every == 0) or last:
             if writer:  # TensorBoard holds every step up to the checkpoint, should the run die after it
                 writer.flush()
-            save_checkpoint(model, optimizer, ref_model, inputs, args, step + 1, parity_record(args, model, totals),
-                            world)
+            save_checkpoint(model, optimizer, ref_model, inputs, args, step + 1,
+                            parity_record(args, model, totals), world)
     if writer:  # the run's certificate of exactness
-        (Path(writer.log_dir) / "parity.json").write_text(json.dumps(parity_record(args, model, totals), indent=2))
+        (Path(writer.log_dir) / "parity.json").write_text(json.dumps(parity_record(args, model, totals),
+                                                                     indent=2))
 
 
 def main(args: Args, device: str = "cuda", engine_class=VLLMEngine) -> Path:
@@ -2043,7 +2071,8 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine) -> Path:
         engine = engine_class(inputs.model_dir, args.engine.vllm_gpu_memory,
                               args.data.max_prompt_tokens + args.sampling.max_new_tokens, args.data.seed,
                               cuda_graphs=args.engine.vllm_cuda_graphs, **parallel)
-        model = load_qwen3(inputs.model_dir, device, activation_checkpointing=args.engine.activation_checkpointing)
+        model = load_qwen3(inputs.model_dir, device,
+                           activation_checkpointing=args.engine.activation_checkpointing)
         if world.size > 1:
             shard_model(model, world)
     except ValueError as e:
