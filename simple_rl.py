@@ -1081,10 +1081,11 @@ class VLLMEngine:
 
     def check_weights(self, model: Qwen3, world: World, changed: bool = False) -> None:
         """The served weights equal the trainer's, and have changed if the update changed any."""
-        checksum = self.weights_checksum()
-        if checksum != trainer_checksum(model, world) or (changed and checksum == self.served_checksum):
+        # The trainer's checksum is a collective: every rank computes it once, whatever its engine serves.
+        checksum, trainer = self.weights_checksum(), trainer_checksum(model, world)
+        if checksum != trainer or (changed and checksum == self.served_checksum):
             raise RuntimeError(f"vLLM does not serve the trainer's weights (checksum {self.served_checksum} "
-                               f"-> {checksum}, trainer {trainer_checksum(model, world)})")
+                               f"-> {checksum}, trainer {trainer})")
         self.served_checksum = checksum
 
 

@@ -577,6 +577,22 @@ def test_top_k_top_p_run_reports_the_kept_set(tmp_path, monkeypatch):
     assert [e.value for e in events.Scalars("parity/mismatched_tokens")] == [0.0, 0.0]
 
 
+def test_a_stale_or_unchanged_push_is_refused(tmp_path):
+    """The served weights must equal the trainer's, and must have changed when the update changed any."""
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    engine, model = TrainerAsSampler(model_dir, 0.5, 64, 0, True), simple_rl.load_qwen3(model_dir, "cpu")
+    world = simple_rl.World()
+    engine.check_weights(model, world)
+    with pytest.raises(RuntimeError, match="vLLM does not serve the trainer's weights"):
+        engine.check_weights(model, world, changed=True)  # nothing changed, yet an update said it did
+    with torch.no_grad():
+        model.layers[0].attention.wqkv.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"-> (-?\d+), trainer (?!\1)-?\d+\)"):
+        engine.check_weights(model, world)  # the trainer moved on; vLLM still serves the old weights
+    engine.push_weights(model)
+    engine.check_weights(model, world, changed=True)
+
+
 def test_a_parity_abort_names_the_first_mismatch_before_any_update(tmp_path, monkeypatch):
     """One sampled logprob one ulp off: the run stops in step 0 before the optimizer step, naming the
     sample and token, with the parity scalars logged. The locator needs vLLM's modules, which the test
