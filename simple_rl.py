@@ -399,6 +399,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
 from batch_invariant_backward import EXACT, Kernels, tiled_linear, top_k_top_p  # noqa: E402
 
@@ -1491,6 +1492,16 @@ def atomic_directory(out_dir: Path, world: World = World()):
         tmp.rename(out_dir)
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A GPU tensor copied into page-locked host memory, which PyTorch recycles from save to save: copies
+    into fresh pageable memory ran at 1.3 GB/s on an H100 machine, a checkpoint's largest cost."""
+    if not t.is_cuda:
+        return t
+    host = t.to("cpu", non_blocking=True)  # into pinned memory
+    torch.cuda.current_stream().synchronize()
+    return host
+
+
 def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path, world: World) -> None:
     """Config, tokenizer files and safetensors weights, as vLLM and transformers load them. The weights
     stream through rank 0 one gathered tensor at a time, into shards of at most SHARD_BYTES: no second
@@ -1508,7 +1519,7 @@ def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path, world: 
              if len(shards) > 1 else ["model.safetensors"])
     weights = hf_weights(model)  # every rank gathers each weight; rank 0 keeps it
     for file, names in zip(files, shards):
-        shard = {name: tensor.contiguous().cpu() for name, tensor in itertools.islice(weights, len(names))}
+        shard = {name: to_host(tensor) for name, tensor in itertools.islice(weights, len(names))}
         if world.is_main:
             save_file(shard, directory / file, metadata={"format": "pt"})
     if not world.is_main:
@@ -1572,6 +1583,14 @@ def parity_record(args: Args, model: Qwen3, totals: dict) -> dict:
     return {"stack": stack_versions(), "kernels": kernels, "sampling": asdict(args.sampling), **totals}
 
 
+class HostStaging(DefaultSavePlanner):
+    """DCP's own planner, each tensor staged through `to_host` (DCP's writer threads copy to pageable memory)."""
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        return to_host(data) if isinstance(data, torch.Tensor) else data
+
+
 def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, inputs, args: Args, step: int,
                     record: dict, world: World) -> None:
     """<output_dir>/<run_name>/step_N after N GRPO steps: the Hugging Face checkpoint, and the training
@@ -1583,8 +1602,10 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, inputs, a
     out_dir = Path(args.run.output_dir) / args.run.run_name / f"step_{step:06d}"
     with atomic_directory(out_dir, world) as tmp:
         write_hf_checkpoint(model, inputs.model_dir, tmp, world)
-        dcp.save(training_state(optimizer, ref_model), no_dist=world.size == 1,
-                 storage_writer=dcp.FileSystemWriter(tmp / TRAINING_STATE, thread_count=4))
+        # Written to the OS's page cache, not synced: a killed run keeps every checkpoint, and a machine that
+        # loses power right after a save keeps the ones before it. Syncing doubled the save time.
+        dcp.save(training_state(optimizer, ref_model), no_dist=world.size == 1, planner=HostStaging(),
+                 storage_writer=dcp.FileSystemWriter(tmp / TRAINING_STATE, thread_count=8, sync_files=False))
         if world.is_main:
             run = {"args": asdict(args), "step": step, "world_size": world.size}
             (tmp / TRAINING_STATE / "run.json").write_text(json.dumps(run, indent=2))
