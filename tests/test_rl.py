@@ -436,6 +436,13 @@ def test_no_function_uses_a_name_defined_below_it():
     assert not late, late
 
 
+
+def test_simple_rl_stays_one_readable_file():
+    """simple_rl.py holds every feature in at most 1,450 lines, none over 110 characters."""
+    lines = (REPO / "simple_rl.py").read_text().splitlines()
+    assert len(lines) <= 1450, f"simple_rl.py has {len(lines)} lines"
+    assert [n for n, line in enumerate(lines, 1) if len(line) > 110] == []
+
 # --- runs of main() with a CPU stand-in for vLLM ---------------------------------------------------
 
 
