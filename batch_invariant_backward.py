@@ -9,10 +9,14 @@ GPU): gradients must be correct and deterministic, not batch-invariant.
 Nothing here changes global state. A model picks its kernels explicitly: `EXACT` (these Functions)
 or `REFERENCE` (the plain-PyTorch functions under ordinary autograd, the ground truth in tests).
 
+The last section is vLLM's side: the kernels simple_rl.py installs in the engine, and the engine's
+tensors for the divergence locator.
+
 Shapes: T tokens packed back to back (no padding), H query heads, Hk key/value heads, D head dim.
 """
 
 import functools
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -521,3 +525,110 @@ REFERENCE = Kernels(
     )[0],
     lm_head_logprobs=lm_head_logprobs_reference,
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's side: the kernels installed in the engine, and its tensors for the divergence locator
+# ---------------------------------------------------------------------------------------------
+
+# CUDA graphs without torch.compile replay eager mode's kernels (the bits the trainer reproduces) without the
+# launch overhead; compiling would fuse norms, SiLU and rotary into Inductor kernels with other bits.
+CUDA_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # mode 0: CompilationMode.NONE
+
+
+def install_exact_kernels() -> None:
+    """Swap three of vLLM 0.20's kernels (in this process: V1 multiprocessing is off) for the trainer's own:
+    fused add+RMSNorm's block size (< 256 tokens or not) and top-k/p's kernel (a sort below 8 rows) change the
+    bits with the batch; the matmul's 128 x 128 tiles idle most SMs in decode (`tiled_linear`: same bits)."""
+    from vllm.model_executor.layers import layernorm, linear, vocab_parallel_embedding
+    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    def fused_add_rms_norm(x, residual, weight, variance_epsilon):  # a bf16 add, then the Triton norm
+        residual = x + residual
+        return rms_norm_batch_invariant(residual, weight, variance_epsilon), residual
+
+    layernorm.fused_add_rms_norm = fused_add_rms_norm
+    linear.linear_batch_invariant = vocab_parallel_embedding.linear_batch_invariant = tiled_linear
+    topk_topp_sampler.apply_top_k_top_p = top_k_top_p
+
+
+BITWISE_HEAD_DIMS = (128, 256)
+"""Head sizes where vLLM's attention is bitwise the trainer's at any length (tests/test_gpu_configs.py)"""
+
+
+def check_bitwise_head_dim(head_dim: int, longest: int, model_dir) -> None:
+    """vLLM 0.20's FlashAttention 3 sizes key tiles by head size and causality, and runs a decode-only step
+    as non-causal: at head_dim 64 it sums keys in tiles of 192 where a prefill (and the trainer) uses 128,
+    so decode rows part at layer 0's attention unless a sequence fits one tile (<= 128 tokens). Other
+    head sizes are untested."""
+    if head_dim in BITWISE_HEAD_DIMS or (head_dim == 64 and longest <= 128):
+        return
+    raise ValueError(f"--model {model_dir}: head_dim is {head_dim}; vLLM's attention is bitwise the "
+                     "trainer's only at head_dim 128 or 256, or 64 with sequences of at most 128 tokens "
+                     f"(here --max-prompt-tokens + --max-new-tokens = {longest})")
+
+
+def rope_cos_sin_cache(args, dtype: torch.dtype) -> torch.Tensor:
+    """neox rotary's (max_seq_len, head_dim) [cos | sin] table, built as vLLM builds it (the kernel reads
+    it): fp32 on the current default device, then rounded to the model dtype."""
+    exponents = torch.arange(0, args.head_dim, 2, dtype=torch.float) / args.head_dim
+    inv_freq = 1.0 / (args.rope_theta**exponents)
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+
+
+def as_rows(x) -> torch.Tensor:
+    """(T, ...) tensor, or a (q, k) pair, as (T, n) fp32 (a bf16 value and its fp32 copy have equal bits)."""
+    if isinstance(x, tuple):
+        return torch.cat([as_rows(t) for t in x], dim=1)
+    return x.reshape(x.shape[0], -1).float()
+
+
+def vllm_trace(llm, tokens: list[int]) -> dict:
+    """The divergence locator's tensors from vLLM's served Qwen3 (a `vllm.LLM`), by (layer, op) as the
+    trainer names them: forward hooks on its modules during a prefill of `tokens` (one token sampled, which
+    computes the last row's logits)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    trace, handles = {}, []
+
+    def hook(keys, pick):  # one hook per module: a module shared by several layers fires once per layer
+        keys = itertools.cycle(keys)
+
+        def record(module, inputs, output):
+            trace.setdefault(next(keys), []).append(as_rows(pick(output)).clone())
+        return record
+
+    def first(output):  # vLLM's linear layers return (output, bias), its fused add+norms (output, residual)
+        return output[0] if isinstance(output, tuple) else output
+
+    def second(output):
+        return output[1]
+
+    def register(served):
+        hooks = [(served.model.embed_tokens, (0, "residual_in"), first),
+                 (served.model.norm, (None, "final_norm"), first),
+                 (served.model.norm, (None, "final_residual"), second),
+                 (served.logits_processor, (None, "logits"), first)]
+        for i, layer in enumerate(served.model.layers):
+            att, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+            modules = {"attention_norm": layer.input_layernorm, "qkv": att.qkv_proj, "q_norm": att.q_norm,
+                       "k_norm": att.k_norm, "attention": att.attn, "o_proj": att.o_proj, "ffn_norm": post,
+                       "gate_up": mlp.gate_up_proj, "swiglu": mlp.act_fn, "down": mlp.down_proj}
+            hooks += [(module, (i, op), first) for op, module in modules.items()]
+            hooks += [(att.rotary_emb, (i, "rotary"), tuple), (post, (i, "residual"), second)]
+            if i:
+                hooks.append((layer.input_layernorm, (i, "residual_in"), second))
+        keys = {}  # vLLM shares one rotary module among all layers, which call it in layer order
+        for module, key, pick in hooks:
+            keys.setdefault((module, pick), []).append(key)
+        handles.extend(module.register_forward_hook(hook(k, pick)) for (module, pick), k in keys.items())
+
+    llm.apply_model(register)
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=tokens)],
+                     SamplingParams(max_tokens=1, seed=0, detokenize=False), use_tqdm=False)
+    finally:
+        llm.apply_model(lambda served: [h.remove() for h in handles])
+    return {key: torch.cat(parts) for key, parts in trace.items()}  # a chunked prefill: a call per chunk

@@ -46,6 +46,7 @@ from types import SimpleNamespace
 
 import torch
 
+import batch_invariant_backward
 import simple_rl
 from offline_demo import qwen3_config, write_checkpoint, write_tokenizer
 
@@ -643,7 +644,7 @@ def decode_side(side: str, args) -> dict:
         if side == "decode-exact-vllm-tiles":  # the engine then serves its linears with vLLM's own tiles
             from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
 
-            simple_rl.tiled_linear = linear_batch_invariant
+            batch_invariant_backward.tiled_linear = linear_batch_invariant
         llm = simple_rl.VLLMEngine(directory, seed=0, sleep_mode=False, **common).llm
     g = torch.Generator().manual_seed(0)
     out = {}

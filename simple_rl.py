@@ -321,11 +321,12 @@ import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
-from batch_invariant_backward import EXACT, Kernels, tiled_linear, top_k_top_p  # noqa: E402
+from batch_invariant_backward import (  # noqa: E402
+    CUDA_GRAPHS, EXACT, Kernels, as_rows, check_bitwise_head_dim, install_exact_kernels, rope_cos_sin_cache,
+    vllm_trace)
+
 
 # ===== Setup: the processes, the seeds =====
-
-
 @dataclass(frozen=True)
 class World:
     """Rank and size under torchrun; alone, rank 0 of 1 (even in vLLM's group of one): collectives skip."""
@@ -486,8 +487,6 @@ def step_rows(rows: list[dict], order: list[int], step: int, n: int) -> list[dic
 
 
 # ===== Model: Qwen3 on vLLM's kernels, over packed sequences =====
-
-
 @dataclass
 class PackedBatch:
     """Sequences (prompt + completion) back to back, no padding, and which logits to read."""
@@ -580,31 +579,6 @@ def model_args_from_hf_config(config: dict):
         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 1_000_000)),
         enable_weight_tying=config.get("tie_word_embeddings", False))
-
-
-BITWISE_HEAD_DIMS = (128, 256)
-"""Head sizes where vLLM's attention is bitwise the trainer's at any length (tests/test_gpu_configs.py)"""
-
-
-def check_bitwise_head_dim(head_dim: int, longest: int, model_dir: Path) -> None:
-    """vLLM 0.20's FlashAttention 3 sizes key tiles by head size and causality, and runs a decode-only step
-    as non-causal: at head_dim 64 it sums keys in tiles of 192 where a prefill (and the trainer) uses 128,
-    so decode rows part at layer 0's attention unless a sequence fits one tile (<= 128 tokens). Other
-    head sizes are untested."""
-    if head_dim in BITWISE_HEAD_DIMS or (head_dim == 64 and longest <= 128):
-        return
-    raise ValueError(f"--model {model_dir}: head_dim is {head_dim}; vLLM's attention is bitwise the "
-                     "trainer's only at head_dim 128 or 256, or 64 with sequences of at most 128 tokens "
-                     f"(here --max-prompt-tokens + --max-new-tokens = {longest})")
-
-
-def rope_cos_sin_cache(args, dtype: torch.dtype) -> torch.Tensor:
-    """neox rotary's (max_seq_len, head_dim) [cos | sin] table, built as vLLM builds it (the kernel reads
-    it): fp32 on the current default device, then rounded to the model dtype."""
-    exponents = torch.arange(0, args.head_dim, 2, dtype=torch.float) / args.head_dim
-    inv_freq = 1.0 / (args.rope_theta**exponents)
-    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float), inv_freq)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
 
 
 # Each forward runs the kernels vLLM 0.20 runs for the module in eager batch-invariant mode (CUDA graphs
@@ -719,8 +693,6 @@ class Qwen3(nn.Module):
 
 
 # ===== Weights: Hugging Face checkpoints in and out =====
-
-
 def gathered(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # a whole DTensor: every rank must call this
 
@@ -819,28 +791,6 @@ def trainer_checksum(model: Qwen3, world: World) -> int:
 
 
 # ===== vLLM engine, and the weight push =====
-
-
-def install_exact_kernels() -> None:
-    """Swap three of vLLM 0.20's kernels (in this process: V1 multiprocessing is off) for the trainer's own:
-    fused add+RMSNorm's block size (< 256 tokens or not) and top-k/p's kernel (a sort below 8 rows) change the
-    bits with the batch; the matmul's 128 x 128 tiles idle most SMs in decode (`tiled_linear`: same bits)."""
-    from vllm.model_executor.layers import layernorm, linear, vocab_parallel_embedding
-    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
-    from vllm.v1.sample.ops import topk_topp_sampler
-    def fused_add_rms_norm(x, residual, weight, variance_epsilon):  # a bf16 add, then the Triton norm
-        residual = x + residual
-        return rms_norm_batch_invariant(residual, weight, variance_epsilon), residual
-    layernorm.fused_add_rms_norm = fused_add_rms_norm
-    linear.linear_batch_invariant = vocab_parallel_embedding.linear_batch_invariant = tiled_linear
-    topk_topp_sampler.apply_top_k_top_p = top_k_top_p
-
-
-# CUDA graphs without torch.compile replay eager mode's kernels (the bits the trainer reproduces) without the
-# launch overhead; compiling would fuse norms, SiLU and rotary into Inductor kernels with other bits.
-CUDA_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # mode 0: CompilationMode.NONE
-
-
 class VLLMEngine:
     """vLLM in this process, on this GPU, token ids in and out; it knows the checksum of what it serves."""
 
@@ -910,8 +860,6 @@ class VLLMEngine:
 
 
 # ===== GRPO loss =====
-
-
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool) -> torch.Tensor:
     groups = rewards.view(-1, group_size)  # (P, G): G consecutive samples per prompt
     advantages = groups - groups.mean(dim=1, keepdim=True)
@@ -971,8 +919,6 @@ def grpo_loss(policy: TokenLogprobs, sampler_logprobs, advantages, lengths: list
 
 
 # ===== Train step =====
-
-
 def lr_at(step: int, cfg: Optimizer) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -1118,8 +1064,6 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
 
 
 # ===== Parity: every sampled token's logprob, compared bit for bit =====
-
-
 class ParityError(Exception):
     """A sampled token whose trainer logprob is not bitwise vLLM's (exit status 1)."""
 
@@ -1180,8 +1124,6 @@ def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torc
 
 
 # ===== Several GPUs (torchrun): data parallel, FSDP2-sharded trainer =====
-
-
 def init_distributed(device: str) -> World:
     """Under torchrun (WORLD_SIZE > 1) join the process group (NCCL, or gloo on CPU) on this rank's GPU."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1467,13 +1409,6 @@ LAYER_OPS = ("residual_in", "attention_norm", *Attention.KERNEL_CALLS, "residual
              *FeedForward.KERNEL_CALLS)
 
 
-def as_rows(x) -> torch.Tensor:
-    """(T, ...) tensor, or a (q, k) pair, as (T, n) fp32 (a bf16 value and its fp32 copy have equal bits)."""
-    if isinstance(x, tuple):
-        return torch.cat([as_rows(t) for t in x], dim=1)
-    return x.reshape(x.shape[0], -1).float()
-
-
 @torch.no_grad()
 def trainer_trace(model: Qwen3, tokens: list[int]) -> dict:
     """Every tensor of the trainer's forward over one sequence, by (layer, op) as named in KERNEL_CALLS."""
@@ -1509,49 +1444,6 @@ def trainer_trace(model: Qwen3, tokens: list[int]) -> dict:
     return trace
 
 
-def vllm_trace(engine: VLLMEngine, tokens: list[int]) -> dict:
-    """The same from vLLM: hooks on its modules during a prefill (one token sampled: the last logits)."""
-    trace, handles = {}, []
-
-    def hook(keys, pick):  # one hook per module: a module shared by several layers fires once per layer
-        keys = itertools.cycle(keys)
-
-        def record(module, inputs, output):
-            trace.setdefault(next(keys), []).append(as_rows(pick(output)).clone())
-        return record
-
-    def first(output):  # vLLM's linear layers return (output, bias), its fused add+norms (output, residual)
-        return output[0] if isinstance(output, tuple) else output
-
-    def second(output):
-        return output[1]
-
-    def register(served):
-        hooks = [(served.model.embed_tokens, (0, "residual_in"), first),
-                 (served.model.norm, (None, "final_norm"), first),
-                 (served.model.norm, (None, "final_residual"), second),
-                 (served.logits_processor, (None, "logits"), first)]
-        for i, layer in enumerate(served.model.layers):
-            att, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-            modules = {"attention_norm": layer.input_layernorm, "qkv": att.qkv_proj, "q_norm": att.q_norm,
-                       "k_norm": att.k_norm, "attention": att.attn, "o_proj": att.o_proj, "ffn_norm": post,
-                       "gate_up": mlp.gate_up_proj, "swiglu": mlp.act_fn, "down": mlp.down_proj}
-            hooks += [(module, (i, op), first) for op, module in modules.items()]
-            hooks += [(att.rotary_emb, (i, "rotary"), tuple), (post, (i, "residual"), second)]
-            if i:
-                hooks.append((layer.input_layernorm, (i, "residual_in"), second))
-        keys = {}  # vLLM shares one rotary module among all layers, which call it in layer order
-        for module, key, pick in hooks:
-            keys.setdefault((module, pick), []).append(key)
-        handles.extend(module.register_forward_hook(hook(k, pick)) for (module, pick), k in keys.items())
-    engine.llm.apply_model(register)
-    try:
-        engine.generate([tokens], [1], 1.0, [0])
-    finally:
-        engine.llm.apply_model(lambda served: [h.remove() for h in handles])
-    return {key: torch.cat(parts) for key, parts in trace.items()}  # a chunked prefill: a call per chunk
-
-
 def first_divergence(trainer: dict, served: dict, n_layers: int) -> str:
     keys = [(layer, op) for layer in range(n_layers) for op in LAYER_OPS]
     for key in keys + [(None, "final_residual"), (None, "final_norm"), (None, "logits")]:
@@ -1569,12 +1461,10 @@ def first_divergence(trainer: dict, served: dict, n_layers: int) -> str:
 
 
 def find_first_divergence(engine: VLLMEngine, model: Qwen3, tokens: list[int]) -> str:
-    return first_divergence(trainer_trace(model, tokens), vllm_trace(engine, tokens), model.args.n_layers)
+    return first_divergence(trainer_trace(model, tokens), vllm_trace(engine.llm, tokens), model.args.n_layers)
 
 
 # ===== The loop, and main() =====
-
-
 def end_of_sequence_ids(tokenizer, model_dir: Path) -> list[int]:
     eos = read_config(model_dir).get("eos_token_id")
     ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
