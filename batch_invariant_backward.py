@@ -166,8 +166,7 @@ def lm_head_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targe
                                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """hidden (C, dim), lm_head weight (V, dim), targets (C,) -> what `sampled_distribution` gives for their
     logits, in plain PyTorch under autograd on any device."""
-    x = linear_reference(hidden, weight).to(_acc(hidden.dtype)) / torch.tensor(temperature,
-                                                                                dtype=_acc(hidden.dtype))
+    x = tempered_logits(linear_reference(hidden, weight), torch.tensor(temperature, dtype=_acc(hidden.dtype)))
     before = torch.logsumexp(x.detach(), dim=-1)
     x = truncated(x, top_k, top_p)
     logprobs = torch.log_softmax(x, dim=-1)
@@ -202,6 +201,14 @@ def matmul_tiles(M: int, N: int, K: int, num_sms: int) -> dict:
             block_n //= 2
     return dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n,
                 num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=4)
+
+
+def qwen3_gemms(dim: int, hidden_dim: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                vocab_size: int) -> dict:
+    """(N, K) of every linear of a Qwen3: merged q/k/v, o_proj, merged gate/up, down_proj, lm_head."""
+    q, kv = n_heads * head_dim, n_kv_heads * head_dim
+    return {"qkv": (q + 2 * kv, dim), "o_proj": (dim, q), "gate_up": (2 * hidden_dim, dim),
+            "down": (dim, hidden_dim), "lm_head": (vocab_size, dim)}
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

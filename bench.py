@@ -491,10 +491,9 @@ def trainer_benchmark(args) -> dict:
 def gemm_shapes(shape: str) -> dict:
     """(N, K) of every linear of a Qwen3 shape: merged q/k/v, o_proj, merged gate/up, down_proj, lm_head."""
     c = shape_config(shape)
-    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    d, i = c["hidden_size"], c["intermediate_size"]
-    return {"qkv": (q + 2 * kv, d), "o_proj": (d, q), "gate_up": (2 * i, d), "down": (d, i),
-            "lm_head": (c["vocab_size"], d)}
+    return batch_invariant_backward.qwen3_gemms(
+        c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"],
+        c["head_dim"], c["vocab_size"])
 
 
 def gemm_methods():

@@ -322,8 +322,8 @@ import torch.utils.checkpoint  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
-    CUDA_GRAPHS, EXACT, Kernels, as_rows, check_bitwise_head_dim, install_exact_kernels, rope_cos_sin_cache,
-    vllm_trace)
+    CUDA_GRAPHS, EXACT, Kernels, _num_sms, as_rows, check_bitwise_head_dim, install_exact_kernels,
+    matmul_tiles, qwen3_gemms, rope_cos_sin_cache, vllm_trace)
 
 
 # ===== Setup: the processes, the seeds =====
@@ -1265,12 +1265,9 @@ def stack_versions() -> dict:
 
 
 def parity_record(args: Args, model: Qwen3, totals: dict) -> dict:
-    from batch_invariant_backward import matmul_tiles
-    a, sms = model.args, (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-                          if torch.cuda.is_available() else 132)
-    gemms = {"qkv": ((a.n_heads + 2 * a.n_kv_heads) * a.head_dim, a.dim),
-             "o_proj": (a.dim, a.n_heads * a.head_dim), "gate_up": (2 * a.hidden_dim, a.dim),
-             "down": (a.dim, a.hidden_dim), "lm_head": (a.vocab_size, a.dim)}
+    a, device = model.args, model.cos_sin_cache.device
+    sms = _num_sms(device) if device.type == "cuda" else 132  # an H100's, for a run on the CPU
+    gemms = qwen3_gemms(a.dim, a.hidden_dim, a.n_heads, a.n_kv_heads, a.head_dim, a.vocab_size)
     tiles = {f"{name} rows={m}": list(matmul_tiles(m, n, k, sms).values())
              for name, (n, k) in gemms.items() for m in (1, 32, 256, 8192)}
     kernels = {"batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1", "model_runner": "V1",

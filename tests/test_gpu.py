@@ -307,14 +307,12 @@ def test_tiled_linear_is_bitwise_vllms_matmul():
     each, gives exactly the bits of vLLM 0.20's `matmul_persistent` (its fixed 128 x 128 tiles)."""
     from vllm.model_executor.layers.batch_invariant import matmul_persistent
 
-    from batch_invariant_backward import _num_sms, matmul_tiles, tiled_linear
+    from batch_invariant_backward import _num_sms, matmul_tiles, qwen3_gemms, tiled_linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
     tiles_used, products = set(), 0
     for name, (d, i, h, kv) in QWEN3_SHAPES.items():
-        gemms = {"qkv": ((h + 2 * kv) * 128, d), "o_proj": (d, h * 128), "gate_up": (2 * i, d), "down": (d, i),
-                 "lm_head": (151936, d)}
-        for gemm, (n, k) in gemms.items():
+        for gemm, (n, k) in qwen3_gemms(d, i, h, kv, 128, 151936).items():
             w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
             for m in ROWS if gemm != "lm_head" else [m for m in ROWS if m <= 8192]:
                 x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
