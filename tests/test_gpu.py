@@ -134,9 +134,10 @@ def served_rotary_table(engine) -> torch.Tensor:
 
 def test_rotary_table_matches_vllm(served):
     engine, model, *_ = served
-    table = served_rotary_table(engine)
-    assert table.dtype == model.cos_sin_cache.dtype
-    assert torch.equal(table.view(torch.int16), model.cos_sin_cache.cpu().view(torch.int16))
+    table = served_rotary_table(engine)  # both in fp32 (vLLM's op reads fp32), with bf16 values
+    assert table.dtype == model.cos_sin_cache.dtype == torch.float32
+    assert torch.equal(table, table.bfloat16().float())
+    assert torch.equal(table.view(torch.int32), model.cos_sin_cache.cpu().view(torch.int32))
 
 
 def test_every_sampled_token_logprob_is_bitwise_vllms(served):
@@ -255,7 +256,7 @@ def test_sleep_then_push_is_exact_and_served(served):
     after = engine.served_checksum
     assert after != before and after == simple_rl.weights_checksum(model.parameters())
     table = served_rotary_table(engine)  # a buffer: vLLM saves and restores it around a level-2 sleep
-    assert torch.equal(table.view(torch.int16), model.cos_sin_cache.cpu().view(torch.int16))
+    assert torch.equal(table.view(torch.int32), model.cos_sin_cache.cpu().view(torch.int32))
     prompts, completions, vllm_lps = sample(engine, config["vocab_size"], 512, seed=3)
     ours = trainer_logprobs(model, prompts, completions, list(range(512)), 16384)
     assert count_mismatches(ours, vllm_lps) == 0
