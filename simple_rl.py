@@ -314,10 +314,6 @@ if __name__ == "__main__":
     # Read and checked before torch and vLLM load (seconds): --help and a bad flag answer at once.
     COMMAND_LINE = command_line_or_exit()
 
-# Checkpoints stage through pinned memory (`to_host`); page-locking malloc'd memory from 8 threads pins it
-# fast: a first 1.7B save took 8.7 s instead of 24.5 s with cudaHostAlloc (H100). Read at CUDA's first use.
-os.environ.setdefault(
-    "PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:True,pinned_num_register_threads:8")
 import torch  # noqa: E402  (after the flags: see above)
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
