@@ -107,3 +107,25 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="weights do not match config.json"):
         simple_rl.load_qwen3(ckpt, "cpu")
+
+
+def test_vllm_holds_the_rotary_table_in_fp32_with_the_trainers_values():
+    """vLLM 0.20's rotary op casts its table to fp32 at every call (a 20 MB copy per layer at Qwen3's 40,960
+    positions); with the exact kernels installed vLLM holds it in fp32 once, equal to the trainer's table."""
+    from types import SimpleNamespace
+
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from batch_invariant_backward import install_exact_kernels, rope_cos_sin_cache
+
+    install_exact_kernels()
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):  # read by CustomOps
+        rope = get_rope(64, 4096, rope_parameters={"rope_theta": 1_000_000}, dtype=torch.bfloat16)
+    assert rope.cos_sin_cache.dtype == torch.bfloat16  # as vLLM builds it
+    table = rope._match_cos_sin_cache_dtype(torch.zeros(1, 64, dtype=torch.bfloat16))
+    assert table.dtype == torch.float32 and rope.cos_sin_cache is table  # kept: no cast at the next call
+    assert rope._match_cos_sin_cache_dtype(torch.zeros(1, 64, dtype=torch.bfloat16)) is table
+    args = SimpleNamespace(head_dim=64, rope_theta=1_000_000, max_seq_len=4096)
+    trainers = rope_cos_sin_cache(args, torch.bfloat16)
+    assert trainers.dtype == torch.float32 and torch.equal(table.view(torch.int32), trainers.view(torch.int32))
