@@ -6,11 +6,12 @@ plain-PyTorch reference of the same math (so the whole model also trains without
 backward is written in plain PyTorch (cuBLAS and PyTorch's fused flash-attention backward on the
 GPU): gradients must be correct and deterministic, not batch-invariant.
 
-Nothing here changes global state. A model picks its kernels explicitly: `EXACT` (these Functions)
-or `REFERENCE` (the plain-PyTorch functions under ordinary autograd, the ground truth in tests).
+A model picks its kernels explicitly: `EXACT` (these Functions) or `REFERENCE` (the plain-PyTorch
+functions under ordinary autograd, the ground truth in tests).
 
 The last section is vLLM's side: the kernels simple_rl.py installs in the engine, and the engine's
-tensors for the divergence locator.
+tensors for the divergence locator. `install_exact_kernels` is the one function that changes global
+state: it patches vLLM's modules in the calling process.
 
 Shapes: T tokens packed back to back (no padding), H query heads, Hk key/value heads, D head dim.
 """
