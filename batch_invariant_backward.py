@@ -16,6 +16,7 @@ state: it patches vLLM's modules in the calling process.
 Shapes: T tokens packed back to back (no padding), H query heads, Hk key/value heads, D head dim.
 """
 
+import dataclasses
 import functools
 import itertools
 from contextlib import contextmanager
@@ -596,6 +597,13 @@ def rope_cos_sin_cache(args, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype).float()
 
 
+# The divergence locator's tensors of one transformer block, in forward order: 'residual_in' is the block's
+# input sum (layer 0: the embedding), 'residual' the sum after attention (the adds vLLM fuses into the norms
+# after them); the rest are the outputs of the kernel calls the trainer's modules name in KERNEL_CALLS.
+LAYER_OPS = ("residual_in", "attention_norm", "qkv", "q_norm", "k_norm", "rotary", "attention", "o_proj",
+             "residual", "ffn_norm", "gate_up", "swiglu", "down")
+
+
 def as_rows(x) -> torch.Tensor:
     """(T, ...) tensor, or a (q, k) pair, as (T, n) fp32 (a bf16 value and its fp32 copy have equal bits)."""
     if isinstance(x, tuple):
@@ -650,3 +658,59 @@ def vllm_trace(llm, tokens: list[int]) -> dict:
     finally:
         llm.apply_model(lambda served: [h.remove() for h in handles])
     return {key: torch.cat(parts) for key, parts in trace.items()}  # a chunked prefill: a call per chunk
+
+
+@torch.no_grad()
+def trainer_trace(model, batch) -> dict:
+    """The locator's tensors from simple_rl's Qwen3 over a one-sequence `batch`, by (layer, op): its kernel
+    calls, recorded by wrapping the kernels of each module that names its calls in KERNEL_CALLS."""
+    calls = {}  # module -> [(name, input, output)], in call order
+
+    def recorded(module, names, fn):
+        def run(x, *args, **kwargs):
+            out = fn(x, *args, **kwargs)
+            calls.setdefault(module, []).append((next(names), x, out))
+            return out
+        return run
+    originals = {m: m.kernels for m in model.modules() if hasattr(m, "KERNEL_CALLS")}
+    for m, kernels in originals.items():
+        names = iter(m.KERNEL_CALLS)
+        m.kernels = Kernels(*(recorded(m, names, getattr(kernels, f.name))
+                              for f in dataclasses.fields(Kernels)))
+    try:  # the model's own forward (a sharded model gathers its weights for it)
+        model(batch)
+    finally:
+        for m, kernels in originals.items():
+            m.kernels = kernels
+    if hasattr(model, "reshard"):  # FSDP keeps the root's weights gathered for a backward; none follows
+        model.reshard()
+    trace = {}
+    for i, layer in enumerate(model.layers):
+        for module in (layer, layer.attention, layer.feed_forward):
+            trace |= {(i, name): as_rows(out) for name, _, out in calls[module]}
+        (_, residual_in, _), (_, residual, _) = calls[layer]  # the norms' inputs: the sums before them
+        trace[i, "residual_in"], trace[i, "residual"] = as_rows(residual_in), as_rows(residual)
+    (_, final_residual, final_norm), _ = calls[model]
+    trace[None, "final_residual"], trace[None, "final_norm"] = as_rows(final_residual), as_rows(final_norm)
+    head = model.output_weight  # a sharded model's is a DTensor: the whole of it, for one row
+    head = head.full_tensor() if hasattr(head, "full_tensor") else head
+    trace[None, "logits"] = as_rows(model.kernels.linear(final_norm[-1:], head))
+    return trace
+
+
+def first_divergence(trainer: dict, served: dict) -> str:
+    """The first (layer, op), in forward order, whose tensors differ in a bit, and by how much."""
+    n_layers = 1 + max(layer for layer, _ in trainer if layer is not None)
+    keys = [(layer, op) for layer in range(n_layers) for op in LAYER_OPS]
+    for key in keys + [(None, "final_residual"), (None, "final_norm"), (None, "logits")]:
+        a, b = trainer[key], served[key].to(trainer[key].device)
+        where = key[1] if key[0] is None else f"layer {key[0]} {key[1]}"
+        if a.shape != b.shape:
+            return f"{where}: shapes {tuple(a.shape)} (trainer) and {tuple(b.shape)} (vLLM)"
+        differ = a.view(torch.int32) != b.view(torch.int32)
+        if differ.any():
+            return (f"{where}: {int(differ.sum())} of {differ.numel()} elements differ, max |delta| "
+                    f"{float((a - b).abs().max()):.3g}; every tensor before it is bitwise equal")
+    # The traces are of a prefill; vLLM's decode steps run their own attention (see check_bitwise_head_dim).
+    return ("no intermediate tensor differs up to the logits of a prefill: the difference is in the "
+            "sampler's logprob or in vLLM's decode steps")

@@ -167,21 +167,17 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def args_from_dict(saved: dict) -> Args:
-    return Args(**{f.name: f.default_factory(**saved[f.name]) for f in dataclasses.fields(Args)})
-
-
 def saved_run(checkpoint: Path) -> tuple[Args, int]:
     """The flags a checkpoint's run was started with, and its step."""
     run_file = checkpoint / "training_state" / "run.json"
-    if not checkpoint.is_dir():
-        raise UsageError(f"--resume {checkpoint}: no such directory")
     if not run_file.is_file():
-        raise UsageError(f"--resume {checkpoint}: not a checkpoint of this script (no {run_file.name} in "
-                         f"{run_file.parent.name}/)")
+        what = "not a checkpoint of this script (no training_state/run.json)" if checkpoint.is_dir() else \
+            "no such directory"
+        raise UsageError(f"--resume {checkpoint}: {what}")
     run = json.loads(run_file.read_text())
     try:
-        return args_from_dict(run["args"]), run["step"]
+        groups = {f.name: f.default_factory(**run["args"][f.name]) for f in dataclasses.fields(Args)}
+        return Args(**groups), run["step"]
     except (KeyError, TypeError):
         raise UsageError(f"--resume {checkpoint}: written by another version of simple_rl.py (its flags "
                          "differ); resume it with that version") from None
@@ -238,34 +234,30 @@ def check_output(run: Run) -> None:
 
 def check_args(args: Args, world_size: int) -> Args:
     """Fails on bad flags, environment or output paths; sets the run name (a timestamp), warm-up <= steps."""
-    def bound(name: str, rule: str) -> tuple[bool, str]:  # a range check: "at least 1", ">= 0" or "> 0"
-        x = values[name]
-        return {"at least 1": x >= 1, ">= 0": x >= 0, "> 0": x > 0}[rule], f"{flag(name)} must be {rule}"
     d, s, lo, o, w, p, e, r = (getattr(args, f.name) for f in dataclasses.fields(Args))
     values = {name: value for group in asdict(args).values() for name, value in group.items()}
+    bounds = {"at least 1": ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_tokens",
+                             "sft_batch_size", "eval_samples"),
+              ">= 0": ("top_k", "warmup_steps", "weight_decay", "kl_coef", "entropy_coef", "sft_steps",
+                       "parity_report_tokens", "eval_every", "save_every", "keep_last"),
+              "> 0": ("temperature", "lr", "sft_lr", "max_grad_norm", "clip_eps")}
+    holds = {"at least 1": lambda x: x >= 1, ">= 0": lambda x: x >= 0, "> 0": lambda x: x > 0}
+    checks = [(holds[rule](values[name]), f"{flag(name)} must be {rule}") for rule, names in bounds.items()
+              for name in names]
+    checks += [(math.isfinite(getattr(group, f.name)), f"{flag(f.name)} must be a finite number")
+               for group in (s, lo, o, w, e) for f in dataclasses.fields(group) if f.type is float]
     invariant = os.environ.get("VLLM_BATCH_INVARIANT")
-    checks = [
-        bound("steps", "at least 1"), bound("prompts_per_step", "at least 1"),
+    checks += [
         (s.samples_per_prompt >= 2, "--samples-per-prompt must be at least 2: GRPO normalises rewards "
                                     "within each group"),
-        bound("max_new_tokens", "at least 1"), bound("max_prompt_tokens", "at least 1"),
-        (s.temperature > 0, "--temperature must be > 0 (evaluation is greedy by itself)"),
-        (s.top_k >= 0, "--top-k must be >= 0 (0 keeps every token)"),
         (0 < s.top_p <= 1, "--top-p must be in (0, 1] (1 keeps every token)"),
         (lo.kl_coef == 0 or (s.top_k == 0 and s.top_p == 1), "--kl-coef must be 0 with --top-k or --top-p: "
          "a sampled token can lie outside the reference policy's kept set, where the KL is infinite"),
-        bound("lr", "> 0"), bound("warmup_steps", ">= 0"),
         (0 <= o.min_lr_ratio <= 1, "--min-lr-ratio must be between 0 and 1"),
-        bound("weight_decay", ">= 0"), bound("max_grad_norm", "> 0"), bound("clip_eps", "> 0"),
         (0 <= lo.correction_min < lo.correction_max, "need 0 <= --correction-min < --correction-max"),
-        bound("kl_coef", ">= 0"), bound("entropy_coef", ">= 0"),
         (e.max_tokens_per_microbatch >= d.max_prompt_tokens + s.max_new_tokens, "--max-tokens-per-microbatch "
          "must hold one whole sequence (>= --max-prompt-tokens + --max-new-tokens)"),
-        bound("sft_steps", ">= 0"), bound("sft_lr", "> 0"), bound("sft_batch_size", "at least 1"),
-        bound("parity_report_tokens", ">= 0"),
         (0 < e.vllm_gpu_memory < 1, "--vllm-gpu-memory must be a fraction between 0 and 1"),
-        bound("eval_every", ">= 0"), bound("eval_samples", "at least 1"), bound("save_every", ">= 0"),
-        bound("keep_last", ">= 0"),
         (not (d.dataset and r.eval_every and not d.eval_dataset), "--dataset is local: pass --eval-dataset "
          "(a local test jsonl) too, or --eval-every 0"),
         (invariant in (None, "0", "1"), f"VLLM_BATCH_INVARIANT is {invariant!r}, but vLLM reads it as an "
@@ -277,8 +269,6 @@ def check_args(args: Args, world_size: int) -> Args:
            f"{flag(name)} {values[name]} must be a multiple of the {world_size} processes")
           for name in ("prompts_per_step", "sft_batch_size")],
     ]
-    checks += [(math.isfinite(getattr(group, f.name)), f"{flag(f.name)} must be a finite number")
-               for group in (s, lo, o, w, e) for f in dataclasses.fields(group) if f.type is float]
     for ok, message in checks:
         if not ok:
             raise UsageError(message)
@@ -322,8 +312,8 @@ import torch.utils.checkpoint  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
-    CUDA_GRAPHS, EXACT, Kernels, _num_sms, as_rows, check_bitwise_head_dim, install_exact_kernels,
-    matmul_tiles, qwen3_gemms, rope_cos_sin_cache, vllm_trace)
+    CUDA_GRAPHS, EXACT, Kernels, _num_sms, check_bitwise_head_dim, first_divergence, install_exact_kernels,
+    matmul_tiles, qwen3_gemms, rope_cos_sin_cache, trainer_trace, vllm_trace)
 
 
 # ===== Setup: the processes, the seeds =====
@@ -1350,23 +1340,10 @@ def phase(name: str, times: dict, memory: dict):
 
 
 def open_tensorboard(args: Args, start_step: int):
-    """runs/<run_name>, one event file: a resumed run rewrites its earlier steps into a new one, since
-    TensorBoard reads event files in name order, not the order they were written in."""
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+    """runs/<run_name>. A resumed run purges what it logged from `start_step` on before it died (steps
+    after its checkpoint), so TensorBoard shows each step once, as the run that never stopped does."""
     from torch.utils.tensorboard import SummaryWriter
-    run_dir = Path("runs") / args.run.run_name
-    old = list(run_dir.glob("events.out.tfevents.*"))
-    kept = []
-    if old:
-        events = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0}).Reload()
-        kept = sorted((e.step, tag, e.value, e.wall_time) for tag in events.Tags()["scalars"]
-                      for e in events.Scalars(tag) if e.step < start_step)
-    writer = SummaryWriter(str(run_dir))
-    for step, tag, value, wall_time in kept:
-        writer.add_scalar(tag, value, step, walltime=wall_time)
-    writer.flush()
-    for f in old:
-        f.unlink()
+    writer = SummaryWriter(str(Path("runs") / args.run.run_name), purge_step=start_step or None)
     rows = [f"| {group}.{k} | {v} |" for group, values in asdict(args).items() for k, v in values.items()]
     rows.append(f"| VLLM_BATCH_INVARIANT | {os.environ.get('VLLM_BATCH_INVARIANT')} |")
     writer.add_text("config", "| flag | value |\n|---|---|\n" + "\n".join(rows), start_step)
@@ -1400,65 +1377,10 @@ def step_scalars(rollouts: Rollouts, loss_metrics: dict, parity: dict, grad_norm
 
 
 # ===== Divergence locator: where the bits part, when parity breaks =====
-# A block's tensors in forward order. 'residual_in' is the block's input sum (layer 0: the embedding),
-# 'residual' the sum after attention: the adds vLLM fuses into the norms that follow.
-LAYER_OPS = ("residual_in", "attention_norm", *Attention.KERNEL_CALLS, "residual", "ffn_norm",
-             *FeedForward.KERNEL_CALLS)
-
-
-@torch.no_grad()
-def trainer_trace(model: Qwen3, tokens: list[int]) -> dict:
-    """Every tensor of the trainer's forward over one sequence, by (layer, op) as named in KERNEL_CALLS."""
-    calls = {}  # module -> [(name, input, output)], in call order
-
-    def recorded(module, names, fn):
-        def run(x, *args, **kwargs):
-            out = fn(x, *args, **kwargs)
-            calls.setdefault(module, []).append((next(names), x, out))
-            return out
-        return run
-    originals = {m: m.kernels for m in model.modules() if hasattr(m, "KERNEL_CALLS")}
-    for m, kernels in originals.items():
-        names = iter(m.KERNEL_CALLS)
-        m.kernels = Kernels(*(recorded(m, names, getattr(kernels, f.name))
-                              for f in dataclasses.fields(Kernels)))
-    try:  # the model's own forward (a sharded model gathers its weights for it)
-        model(pack_sequences([tokens[:-1]], [tokens[-1:]], model.cos_sin_cache.device))
-    finally:
-        for m, kernels in originals.items():
-            m.kernels = kernels
-    if hasattr(model, "reshard"):  # FSDP keeps the root's weights gathered for a backward; none follows
-        model.reshard()
-    trace = {}
-    for i, layer in enumerate(model.layers):
-        for module in (layer, layer.attention, layer.feed_forward):
-            trace |= {(i, name): as_rows(out) for name, _, out in calls[module]}
-        (_, residual_in, _), (_, residual, _) = calls[layer]  # the norms' inputs: the sums before them
-        trace[i, "residual_in"], trace[i, "residual"] = as_rows(residual_in), as_rows(residual)
-    (_, final_residual, final_norm), _ = calls[model]
-    trace[None, "final_residual"], trace[None, "final_norm"] = as_rows(final_residual), as_rows(final_norm)
-    trace[None, "logits"] = as_rows(model.kernels.linear(final_norm[-1:], gathered(model.output_weight)))
-    return trace
-
-
-def first_divergence(trainer: dict, served: dict, n_layers: int) -> str:
-    keys = [(layer, op) for layer in range(n_layers) for op in LAYER_OPS]
-    for key in keys + [(None, "final_residual"), (None, "final_norm"), (None, "logits")]:
-        a, b = trainer[key], served[key].to(trainer[key].device)
-        where = key[1] if key[0] is None else f"layer {key[0]} {key[1]}"
-        if a.shape != b.shape:
-            return f"{where}: shapes {tuple(a.shape)} (trainer) and {tuple(b.shape)} (vLLM)"
-        differ = a.view(torch.int32) != b.view(torch.int32)
-        if differ.any():
-            return (f"{where}: {int(differ.sum())} of {differ.numel()} elements differ, max |delta| "
-                    f"{float((a - b).abs().max()):.3g}; every tensor before it is bitwise equal")
-    # The traces are of a prefill; vLLM's decode steps run their own attention (see check_bitwise_head_dim).
-    return ("no intermediate tensor differs up to the logits of a prefill: the difference is in the "
-            "sampler's logprob or in vLLM's decode steps")
-
-
 def find_first_divergence(engine: VLLMEngine, model: Qwen3, tokens: list[int]) -> str:
-    return first_divergence(trainer_trace(model, tokens), vllm_trace(engine.llm, tokens), model.args.n_layers)
+    """Both sides' tensors of a prefill of `tokens`, compared in forward order (batch_invariant_backward)."""
+    batch = pack_sequences([tokens[:-1]], [tokens[-1:]], model.cos_sin_cache.device)
+    return first_divergence(trainer_trace(model, batch), vllm_trace(engine.llm, tokens))
 
 
 # ===== The loop, and main() =====

@@ -104,6 +104,14 @@ def make_args(**flags):
     return simple_rl.Args(**{group: cls(**values[group]) for group, cls in groups.items()})
 
 
+def trace(model, tokens: list[int]) -> dict:
+    """The divergence locator's trainer tensors for a prefill of `tokens`, as simple_rl.py makes them."""
+    import simple_rl
+    from batch_invariant_backward import trainer_trace
+
+    return trainer_trace(model, simple_rl.pack_sequences([tokens[:-1]], [tokens[-1:]], model.cos_sin_cache.device))
+
+
 def write_gsm8k_model(directory: Path, seed: int = 0, device="cpu", **config) -> Path:
     """A random Qwen3 with a tokenizer trained on GSM8K: a complete, offline simple_rl.py --model. Its
     head_dim is 128 unless given: simple_rl.py refuses head sizes whose attention vLLM computes otherwise."""

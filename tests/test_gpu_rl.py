@@ -17,7 +17,7 @@ from conftest import gsm8k_jsonl, start_engine, write_chat_model, write_gsm8k_mo
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import simple_rl
-from batch_invariant_backward import REFERENCE
+from batch_invariant_backward import LAYER_OPS, REFERENCE
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
@@ -173,7 +173,7 @@ def test_an_inexact_run_locates_where_the_bits_part(tmp_path):
     print("\n[locator, batch invariance off] " + "\n".join(located))
     # Which op parts first depends on the batch (vLLM's kernels without batch invariance); each line
     # must name a layer and one of its ops.
-    named = re.compile(r"first divergence: layer \d+ (" + "|".join(simple_rl.LAYER_OPS) + "): ")
+    named = re.compile(r"first divergence: layer \d+ (" + "|".join(LAYER_OPS) + "): ")
     assert len(located) == 2 and all(named.search(line) for line in located), located
 
 

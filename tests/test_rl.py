@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (QWEN3_CHAT_TEMPLATE, full_gsm8k, gsm8k_jsonl, gsm8k_rows, make_args, write_chat_model,
-                      write_gsm8k_model, write_jsonl)
+                      trace, write_gsm8k_model, write_jsonl)
 
 import batch_invariant_backward
 import simple_rl
-from batch_invariant_backward import truncated
+from batch_invariant_backward import first_divergence, truncated
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -177,7 +177,7 @@ def test_the_divergence_locator_names_the_first_op_whose_bits_differ(tmp_path):
 
     model_dir = write_checkpoint(tmp_path / "m", qwen3_config(layers=3, head_dim=128), seed=4)
     tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    reference = simple_rl.trainer_trace(simple_rl.load_qwen3(model_dir, "cpu"), tokens)
+    reference = trace(simple_rl.load_qwen3(model_dir, "cpu"), tokens)
 
     def nudged(fn):  # the same op, one bf16 ulp or so off
         return lambda x, *args: (lambda out: tuple(o * 1.01 for o in out) if isinstance(out, tuple) else out * 1.01)(
@@ -186,7 +186,7 @@ def test_the_divergence_locator_names_the_first_op_whose_bits_differ(tmp_path):
     def locate(inject) -> str:
         model = simple_rl.load_qwen3(model_dir, "cpu")
         inject(model)
-        return simple_rl.first_divergence(simple_rl.trainer_trace(model, tokens), reference, 3)
+        return first_divergence(trace(model, tokens), reference)
 
     def with_kernel(module, name):
         module.kernels = dataclasses.replace(module.kernels, **{name: nudged(getattr(module.kernels, name))})
@@ -717,7 +717,6 @@ def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, capsys):
     series = scalar_series(tmp_path / "runs" / "whole")
     assert [step for step, _ in series["train/loss"]] == [0, 1, 2, 3]
     assert scalar_series(tmp_path / "runs" / "killed") == series  # step 2, logged twice, is shown once
-    assert len(list((tmp_path / "runs" / "killed").glob("events.out.tfevents.*"))) == 1
 
 
 def test_a_resume_on_another_stack_warns(tmp_path, monkeypatch, capsys):
