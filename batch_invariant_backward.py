@@ -9,9 +9,10 @@ GPU): gradients must be correct and deterministic, not batch-invariant.
 A model picks its kernels explicitly: `EXACT` (these Functions) or `REFERENCE` (the plain-PyTorch
 functions under ordinary autograd, the ground truth in tests).
 
-The last section is vLLM's side: the kernels simple_rl.py installs in the engine, and the engine's
-tensors for the divergence locator. `install_exact_kernels` is the one function that changes global
-state: it patches vLLM's modules in the calling process.
+The last section is vLLM's side: the kernels simple_rl.py installs in the engine (`install_exact_kernels`,
+the one function that changes global state: it patches vLLM's modules in the calling process); then the
+divergence locator, which records both sides' tensors over one sequence and names the first op whose bits
+differ.
 
 Shapes: T tokens packed back to back (no padding), H query heads, Hk key/value heads, D head dim.
 """
@@ -537,7 +538,7 @@ REFERENCE = Kernels(
 
 
 # ---------------------------------------------------------------------------------------------
-# vLLM's side: the kernels installed in the engine, and its tensors for the divergence locator
+# vLLM's side: the kernels installed in the engine; the divergence locator
 # ---------------------------------------------------------------------------------------------
 
 # CUDA graphs without torch.compile replay eager mode's kernels (the bits the trainer reproduces) without the
@@ -545,11 +546,36 @@ REFERENCE = Kernels(
 CUDA_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # mode 0: CompilationMode.NONE
 
 
+def seeded_random_sample(probs: torch.Tensor, generators: dict, unseeded: Callable) -> torch.Tensor:
+    """vLLM 0.20's `random_sample` (a token per row of `probs`, (rows, V) fp32) when every request has its own
+    seed, as simple_rl.py's do: all rows at once, by the Gumbel-max kernel of vLLM's V2 model runner
+    (`gumbel_sample`), each row's noise from its request's seed and the number of tokens it drew before.
+    vLLM's own draws each seeded row's noise with its own `exponential_` launch, ~2 ms of a 256-sequence
+    decode step. A draw advances the request's generator by 4, as `exponential_` does: vLLM rewinds a draw
+    it discards by 4. The logprobs do not depend on the noise; which token is drawn does."""
+    if len(generators) != len(probs):  # some rows draw from vLLM's global generator
+        return unseeded(probs, generators)
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    seeds, draws = [], []
+    for row in range(len(probs)):
+        generator = generators[row]
+        offset, seed = generator.get_offset(), generator.initial_seed()
+        generator.set_offset(offset + 4)
+        seeds.append(seed - 2**64 if seed >= 2**63 else seed)  # the uint64 seed's bits, as an int64
+        draws.append(offset // 4)
+    keys = torch.tensor([seeds, draws], dtype=torch.int64).to(probs.device, non_blocking=True)
+    rows = torch.arange(len(probs), dtype=torch.int32, device=probs.device)
+    ones = torch.ones(len(probs), dtype=torch.float32, device=probs.device)  # the temperature is applied
+    return gumbel_sample(probs.log_(), rows, ones, keys[0], keys[1], apply_temperature=False)
+
+
 def install_exact_kernels() -> None:
-    """Swap three of vLLM 0.20's kernels (in this process: V1 multiprocessing is off) for the trainer's own:
+    """Swap four of vLLM 0.20's kernels (in this process: V1 multiprocessing is off) for the trainer's own:
     fused add+RMSNorm's block size (< 256 tokens or not) and top-k/p's kernel (a sort below 8 rows) change the
-    bits with the batch; the matmul's 128 x 128 tiles idle most SMs in decode (`tiled_linear`: same bits).
-    And hold the rotary table in fp32, as the trainer does (see `rope_cos_sin_cache`)."""
+    bits with the batch; the matmul's 128 x 128 tiles idle most SMs in decode (`tiled_linear`: same bits);
+    the sampler draws seeded requests one by one (`seeded_random_sample`). And hold the rotary table in fp32,
+    as the trainer does (see `rope_cos_sin_cache`)."""
     from vllm.model_executor.layers import layernorm, linear, vocab_parallel_embedding
     from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
     from vllm.model_executor.layers.rotary_embedding import base as rotary
@@ -568,6 +594,9 @@ def install_exact_kernels() -> None:
     rotary.RotaryEmbeddingBase._match_cos_sin_cache_dtype = fp32_rotary_table
     linear.linear_batch_invariant = vocab_parallel_embedding.linear_batch_invariant = tiled_linear
     topk_topp_sampler.apply_top_k_top_p = top_k_top_p
+    vllm_sample = topk_topp_sampler.random_sample
+    if getattr(vllm_sample, "__module__", None) == topk_topp_sampler.__name__:  # not installed yet
+        topk_topp_sampler.random_sample = functools.partial(seeded_random_sample, unseeded=vllm_sample)
 
 
 BITWISE_HEAD_DIMS = (128, 256)

@@ -11,7 +11,8 @@ Asserted on every sampled token unless --no-assert-bitwise: the trainer's fp32 l
 the one vLLM returned when it sampled the token, whatever either side's batch (the importance ratio is exactly
 1, the k3 KL 0). It holds with VLLM_BATCH_INVARIANT=1 on vLLM 0.20.0 (FlashAttention 3, CUDA graphs, no
 torch.compile), three of whose kernels are swapped in-process, in engine and trainer alike: fused add+RMSNorm
-(not batch-invariant in 0.20), matmul (re-tiled per batch size: same bits, sooner), top-k/top-p.
+(not batch-invariant in 0.20), matmul (re-tiled per batch size: same bits, sooner), top-k/top-p; and its
+sampler draws every request's seeded noise in one kernel, not one launch per request.
 
 How this GRPO departs from the paper (Shao et al., 2024):
 1. One optimizer step per batch of rollouts (on-policy); PPO-clip kept, to measure sampler/trainer mismatch.
@@ -340,10 +341,7 @@ class World:
         return y.to(x.device)
 
     def max(self, n: int) -> int:
-        if self.size == 1:
-            return n
-        dist.all_reduce(x := torch.tensor(n, device=self._device()), op=dist.ReduceOp.MAX)
-        return int(x)
+        return int(self.cat(torch.tensor([n])).max())
 
     def cat(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's 1-D tensor (lengths may differ) in rank order; not pickled: that took 0.4-0.8 s."""
@@ -374,7 +372,6 @@ def rollout_seeds(seed: int, step: int, n: int) -> list[int]:
 
 
 # ===== Data and reward =====
-
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 # A completion's answer: the first '#### N' (GSM8K's format), else the first '\boxed{N}', else its last
 # number; after a closed <think>, the one after it, else inside. Compared as decimals: '1,000' = '$1000.0'.
@@ -433,11 +430,9 @@ def load_gsm8k(path: str | None, split: str) -> list[dict]:
         except json.JSONDecodeError:
             raise ValueError(f"{path} line {n}: not valid JSON") from None
         if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))):
-            raise ValueError(f"{path} line {n}: need a JSON object with string fields 'question' and "
-                             "'answer'")
+            raise ValueError(f"{path} line {n}: need a JSON object with string fields 'question', 'answer'")
         # GSM8K's answers end in '#### N': a bare last number would be a guess at the answer.
-        final = ANSWER_AFTER_HASHES.search(row["answer"])
-        if final is None or parse_number(final.group(1)) is None:
+        if not ANSWER_AFTER_HASHES.search(row["answer"]):
             raise ValueError(f"{path} line {n}: the answer does not end in '#### N' with N a number "
                              "(GSM8K's format)")
         rows.append({"question": row["question"], "answer": row["answer"]})
@@ -448,19 +443,17 @@ def load_gsm8k(path: str | None, split: str) -> list[dict]:
 
 def encode_prompt(tokenizer, question: str, use_chat: bool, thinking: bool) -> list[int]:
     content = f"{question}\n{INSTRUCTION}"
-    if use_chat:
-        messages = [{"role": "user", "content": content}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                             return_dict=False, enable_thinking=thinking)
-    return tokenizer.encode(f"Question: {content}\nAnswer:")
+    if not use_chat:
+        return tokenizer.encode(f"Question: {content}\nAnswer:")
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False, enable_thinking=thinking)
 
 
 def encode_dataset(rows, tokenizer, data: Data, name: str) -> list[dict]:
     """Tokenise every question once; report (never cut) prompts over --max-prompt-tokens."""
-    has_template = tokenizer.chat_template is not None
-    if data.prompt_format == "chat" and not has_template:
+    use_chat = data.prompt_format != "plain" and tokenizer.chat_template is not None
+    if data.prompt_format == "chat" and not use_chat:
         raise ValueError("--prompt-format chat: this tokenizer has no chat template; use plain or auto")
-    use_chat = data.prompt_format == "chat" or (data.prompt_format == "auto" and has_template)
     encoded = [dict(r, prompt_ids=encode_prompt(tokenizer, r["question"], use_chat, data.thinking))
                for r in rows]
     kept = [r for r in encoded if len(r["prompt_ids"]) <= data.max_prompt_tokens]
@@ -508,14 +501,14 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], devic
 
 
 def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    groups, current, size = [], [], 0
+    groups, size = [], 0
     for i, n in enumerate(lengths):
-        if current and size + n > token_budget:
-            groups.append(current)
-            current, size = [], 0
-        current.append(i)
+        if not groups or size + n > token_budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
         size += n
-    return groups + [current] if current else groups
+    return groups
 
 
 def packed_micro_batches(prompts, completions, token_budget: int, device, world: World):
@@ -529,10 +522,6 @@ def packed_micro_batches(prompts, completions, token_budget: int, device, world:
         yield idx, pack_sequences([prompts[i] for i in idx], [completions[i] for i in idx], device)
 
 
-CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-               "intermediate_size", "rms_norm_eps", "max_position_embeddings")
-
-
 def read_config(model_dir: Path) -> dict:
     """A checkpoint's config.json, refused in one line (naming the file) if it cannot describe a Qwen3."""
     path = model_dir / "config.json"
@@ -542,9 +531,11 @@ def read_config(model_dir: Path) -> dict:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: a JSON object of the model's settings was expected")
-    missing = [key for key in CONFIG_KEYS if not isinstance(config.get(key), (int, float))]
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "intermediate_size", "rms_norm_eps", "max_position_embeddings")
+    missing = [key for key in keys if not isinstance(config.get(key), (int, float))]
     if config.get("model_type") != "qwen3" or missing:
-        what = f"model_type is {config.get('model_type')!r}" if missing == [] else f"no {', '.join(missing)}"
+        what = f"no {', '.join(missing)}" if missing else f"model_type is {config.get('model_type')!r}"
         raise ValueError(f"{path}: {what}; this trainer needs a Hugging Face Qwen3 config")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     unsupported = {"hidden_act": config.get("hidden_act", "silu") != "silu",
@@ -691,13 +682,9 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # this rank's shard of a sharded tensor
 
 
-def state_dict_adapter(args):
-    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
-    return Qwen3StateDictAdapter(args, None)
-
-
 def from_hf_state_dict(hf_state: dict, args) -> dict:
-    state = state_dict_adapter(args).from_hf(dict(hf_state))
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+    state = Qwen3StateDictAdapter(args, None).from_hf(dict(hf_state))
     if args.enable_weight_tying:
         state.pop("output.weight")  # the adapter aliases it to the embedding; we keep one tensor
     for i in range(args.n_layers):
@@ -709,8 +696,9 @@ def from_hf_state_dict(hf_state: dict, args) -> dict:
 
 def hf_weights(model: Qwen3):
     """(HF name, view) of each weight, gathered one at a time if sharded (so every rank must iterate)."""
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
     a = model.args
-    adapter, q, kv = state_dict_adapter(a), a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    adapter, q, kv = Qwen3StateDictAdapter(a, None), a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     for name, p in model.named_parameters():
         p, prefix = gathered(p.detach()), name.rsplit(".", 2)[0] + "."  # layers.<i>.attention. etc.
         if name.endswith("attention.wqkv.weight"):
@@ -833,8 +821,7 @@ class VLLMEngine:
         return self.llm.apply_model(lambda served: weights_checksum(served.parameters()))[0]
 
     def sync_weights(self, model: Qwen3, world: World, changed: bool) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the trainer's freed blocks go back to the driver, for vLLM to map
+        torch.cuda.empty_cache()  # the trainer's freed blocks go back to the driver, for vLLM to map
         self.wake_up(["weights"])
         self.push_weights(model)
         self.wake_up(["kv_cache"])
@@ -1118,14 +1105,12 @@ def init_distributed(device: str) -> World:
     """Under torchrun (WORLD_SIZE > 1) join the process group (NCCL, or gloo on CPU) on this rank's GPU."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size > 1 and not dist.is_initialized():
-        if device == "cuda":
-            gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device == "cuda" else None
+        if gpu is not None:
             torch.cuda.set_device(gpu)
-            # device_id connects NCCL now: vLLM's batch-invariant mode later sets NCCL_MAX_NCHANNELS=1 and
-            # NCCL_NTHREADS=1, read at connect, and FSDP would run on one channel (~1/10 speed, 2 GPUs = 1).
-            dist.init_process_group("nccl", device_id=gpu)
-        else:
-            dist.init_process_group("gloo")
+        # device_id connects NCCL now: vLLM's batch-invariant mode later sets NCCL_MAX_NCHANNELS=1 and
+        # NCCL_NTHREADS=1, read at connect, and FSDP would run on one channel (~1/10 speed, 2 GPUs = 1).
+        dist.init_process_group("gloo" if gpu is None else "nccl", device_id=gpu)
     return World(dist.get_rank(), size) if size > 1 else World()
 
 
@@ -1138,7 +1123,6 @@ def shard_model(model: Qwen3, world: World) -> Qwen3:
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for unit in (*model.layers, model):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
-    for unit in (*model.layers, model):
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
     return model
@@ -1162,7 +1146,6 @@ def whole_step(rollouts: Rollouts, trainer_logprobs: list, world: World) -> tupl
 
 
 # ===== Checkpoints: Hugging Face weights, sharded training state, the parity record =====
-
 TRAINING_STATE = "training_state"  # vLLM and transformers read only the top level: a plain HF checkpoint
 SHARD_BYTES = 4 * 2**30  # weights past this go in model-0000i-of-0000n.safetensors shards, as the hub's do
 TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template",
@@ -1192,11 +1175,10 @@ def atomic_directory(out_dir: Path, world: World = World()):
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """Into pinned memory, reused from save to save (fresh pageable memory copied at 1.3 GB/s on an H100)."""
-    if not t.is_cuda:
-        return t
-    host = t.to("cpu", non_blocking=True)  # into pinned memory
-    torch.cuda.current_stream().synchronize()
-    return host
+    if t.is_cuda:
+        t = t.to("cpu", non_blocking=True)  # non_blocking: into PyTorch's cache of pinned host memory
+        torch.cuda.current_stream().synchronize()
+    return t
 
 
 def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path, world: World) -> None:
@@ -1231,14 +1213,14 @@ def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path, world: 
 
 def training_state(optimizer: MasterWeights, ref_model) -> dict:
     """What --resume needs beyond the weights, for DCP; AdamW's state is made as a first step makes it."""
+    adam = optimizer.optimizer.state
     for master in optimizer.masters:
-        optimizer.optimizer.state[master] = optimizer.optimizer.state[master] or {
-            "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master),
-            "exp_avg_sq": torch.zeros_like(master)}
+        adam[master] = adam[master] or {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master),
+                                        "exp_avg_sq": torch.zeros_like(master)}
     names = [name for name, _ in optimizer.named]
     rng = {"python": torch.tensor(random.getstate()[1]), "torch": torch.get_rng_state()}
     state = {"masters": dict(zip(names, optimizer.masters)),
-             "adam": {name: optimizer.optimizer.state[m] for name, m in zip(names, optimizer.masters)},
+             "adam": {name: adam[master] for name, master in zip(names, optimizer.masters)},
              "rng": rng | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
     if ref_model is not None:
         state["reference"] = dict(ref_model.named_parameters())
@@ -1323,25 +1305,20 @@ def warn_if_another_stack(saved: dict, checkpoint_dir: Path) -> None:
 
 
 # ===== Logging: the terminal and TensorBoard =====
-def gpu_memory_in_use_gib() -> float:
-    """The whole device's; at a phase's end its peak, as PyTorch's allocator keeps what it reserved."""
-    free, total = torch.cuda.mem_get_info()
-    return (total - free) / 2**30
-
-
 @contextmanager
 def phase(name: str, times: dict, memory: dict):
+    """Seconds, and the whole GPU's memory in use at the end: the peak, as PyTorch keeps what it reserved."""
     start = time.perf_counter()
     yield
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-        memory[name] = gpu_memory_in_use_gib()
+        free, total = torch.cuda.mem_get_info()
+        memory[name] = (total - free) / 2**30
     times[name] = time.perf_counter() - start
 
 
 def open_tensorboard(args: Args, start_step: int):
-    """runs/<run_name>. A resumed run purges what it logged from `start_step` on before it died (steps
-    after its checkpoint), so TensorBoard shows each step once, as the run that never stopped does."""
+    """runs/<run_name>; a resumed run purges the steps it logged after its checkpoint: each shows once."""
     from torch.utils.tensorboard import SummaryWriter
     writer = SummaryWriter(str(Path("runs") / args.run.run_name), purge_step=start_step or None)
     rows = [f"| {group}.{k} | {v} |" for group, values in asdict(args).items() for k, v in values.items()]
@@ -1352,11 +1329,10 @@ def open_tensorboard(args: Args, start_step: int):
 
 def log_step(writer, step: int, scalars: dict, line: str) -> None:
     from tqdm import tqdm
-    if writer is None:
-        return
-    for key, value in scalars.items():
-        writer.add_scalar(key, value, step)
-    tqdm.write(line)
+    if writer:
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+        tqdm.write(line)
 
 
 def step_scalars(rollouts: Rollouts, loss_metrics: dict, parity: dict, grad_norm: float, lr: float,
@@ -1380,7 +1356,10 @@ def step_scalars(rollouts: Rollouts, loss_metrics: dict, parity: dict, grad_norm
 def find_first_divergence(engine: VLLMEngine, model: Qwen3, tokens: list[int]) -> str:
     """Both sides' tensors of a prefill of `tokens`, compared in forward order (batch_invariant_backward)."""
     batch = pack_sequences([tokens[:-1]], [tokens[-1:]], model.cos_sin_cache.device)
-    return first_divergence(trainer_trace(model, batch), vllm_trace(engine.llm, tokens))
+    try:
+        return first_divergence(trainer_trace(model, batch), vllm_trace(engine.llm, tokens))
+    except Exception as e:  # a diagnostic must not hide the error it diagnoses
+        return f"not found, the locator failed ({type(e).__name__}: {e})"
 
 
 # ===== The loop, and main() =====
@@ -1490,17 +1469,6 @@ def warm_start(model: Qwen3, inputs: Inputs, order: list[int], args: Args, world
         writer.close()
 
 
-def explain_mismatch(engine: VLLMEngine, model: Qwen3, rollouts: Rollouts, first: Mismatch,
-                     world: World) -> str:
-    """Wake vLLM with the weights that sampled (none updated yet); feed both the sample up to the token."""
-    engine.sync_weights(model, world, changed=False)
-    try:
-        return find_first_divergence(engine, model, rollouts.prompts[first.sample]
-                                     + rollouts.completions[first.sample][: first.token])
-    except Exception as e:  # a diagnostic must not hide the error it diagnoses
-        return f"not found, the locator failed ({type(e).__name__}: {e})"
-
-
 def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: list[int], writer,
          world: World):
     """vLLM samples (trainer weights wait in memory), sleeps while they train, wakes with the new ones."""
@@ -1541,8 +1509,10 @@ def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: li
                 tqdm.write((f"step {step} parity (first tokens of sample 0):\n"
                             if p.parity_report_tokens else "") + report)
             if first and (p.assert_bitwise or p.locate_divergence):
-                message = f"step {step}: {first.message}; first divergence: " + explain_mismatch(
-                    engine, model, rollouts, first, world)
+                engine.sync_weights(model, world, changed=False)  # the weights that sampled: none updated yet
+                sample = rollouts.prompts[first.sample] + rollouts.completions[first.sample][: first.token]
+                message = (f"step {step}: {first.message}; first divergence: "
+                           + find_first_divergence(engine, model, sample))
                 if p.assert_bitwise:
                     log_step(writer, step, {f"parity/{k}": v for k, v in parity.items()}, "parity broken")
                     raise ParityError(message)

@@ -44,7 +44,7 @@ def one_update(model_dir, rank: int, size: int) -> dict:
         rollouts = simple_rl.Rollouts(*(getattr(rollouts, f.name)[share] for f in dataclasses.fields(rollouts)))
         simple_rl.shard_model(model, world)
     checksum = simple_rl.trainer_checksum(model, world)  # of the whole weights, from the shards
-    trace = trace(model, rollouts.prompts[0] + rollouts.completions[0])  # the locator's
+    locator = trace(model, rollouts.prompts[0] + rollouts.completions[0])  # the locator's
     optimizer = simple_rl.MasterWeights(model, lr=1e-3, weight_decay=0.0)
     # Micro-batches of at most 40 tokens: the ranks cut their samples into different numbers of them.
     args = make_args(max_tokens_per_microbatch=40)
@@ -55,7 +55,7 @@ def one_update(model_dir, rank: int, size: int) -> dict:
     weights = {name: simple_rl.gathered(p).detach().clone() for name, p in model.named_parameters()}
     hf = {name: w.clone() for name, w in simple_rl.hf_weights(model)}  # gathered one by one
     return {"weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas, "hf": hf,
-            "grads": grads, "checksum": checksum, "trace": trace}
+            "grads": grads, "checksum": checksum, "trace": locator}
 
 
 def worker(rank: int, world: int, port: int, model_dir, out) -> None:

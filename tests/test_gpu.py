@@ -324,3 +324,38 @@ def test_tiled_linear_is_bitwise_vllms_matmul():
                 products += 1
     print(f"\n[tiled_linear] {products} products, bitwise vLLM's, with {len(tiles_used)} tile shapes: "
           f"{sorted(tiles_used)}")
+
+
+def test_seeded_sampler_draws_each_requests_own_tokens_from_the_distribution():
+    """The sampler simple_rl.py installs in the engine (`seeded_random_sample`) draws every row at once from
+    its request's seed and draw count: a request gets the same token whatever shares its batch, in whatever
+    order; each draw advances its generator by 4 (a generator rewound by 4, as vLLM rewinds a discarded draw,
+    draws the same token again); the tokens follow the distribution; unseeded rows go to vLLM's own."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from batch_invariant_backward import install_exact_kernels
+
+    install_exact_kernels()
+    sample, n, vocab = topk_topp_sampler.random_sample, 8192, 151936
+    p = torch.arange(1, 17, dtype=torch.float64) / 136  # 16 tokens of probability 1/136 to 16/136
+    probs = torch.zeros(n, vocab, device="cuda")
+    probs[:, 1000:1016] = p.float().cuda()
+
+    def generators(seeds):
+        return {row: torch.Generator("cuda").manual_seed(seed) for row, seed in enumerate(seeds)}
+    seeds = list(range(10**9, 10**9 + n))
+    gens = generators(seeds)
+    first = sample(probs.clone(), gens)
+    assert all(g.get_offset() == 4 for g in gens.values())
+    counts = torch.bincount(first - 1000, minlength=16).cpu().double()
+    expected = n * p
+    assert len(counts) == 16 and ((counts - expected).abs() <= 5 * (expected * (1 - p)).sqrt()).all(), counts
+    others = seeds[::-3]  # a third of the requests, in reverse order, in a smaller batch
+    assert torch.equal(sample(probs[: len(others)].clone(), generators(others)), first.flip(0)[::3])
+    second = sample(probs.clone(), gens)
+    assert (second != first).float().mean() > 0.8  # the next draw: another token, mostly
+    for g in gens.values():
+        g.set_offset(g.get_offset() - 4)
+    assert torch.equal(sample(probs.clone(), gens), second)
+    mixed = sample(probs[:4].clone(), {0: torch.Generator("cuda").manual_seed(0)})  # vLLM's own sampler
+    assert ((mixed >= 1000) & (mixed < 1016)).all()

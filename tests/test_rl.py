@@ -439,9 +439,9 @@ def test_no_function_uses_a_name_defined_below_it():
 
 
 def test_simple_rl_stays_one_readable_file():
-    """simple_rl.py does not grow back (at most 1,705 lines, on the way to 1,450); no line over 110 chars."""
+    """simple_rl.py does not grow back (at most 1,600 lines, on the way to 1,450); no line over 110 chars."""
     lines = (REPO / "simple_rl.py").read_text().splitlines()
-    assert len(lines) <= 1705, f"simple_rl.py has {len(lines)} lines"
+    assert len(lines) <= 1600, f"simple_rl.py has {len(lines)} lines"
     assert [n for n, line in enumerate(lines, 1) if len(line) > 110] == []
 
 # --- runs of main() with a CPU stand-in for vLLM ---------------------------------------------------
