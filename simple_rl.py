@@ -172,8 +172,8 @@ def saved_run(checkpoint: Path) -> tuple[Args, int]:
     """The flags a checkpoint's run was started with, and its step."""
     run_file = checkpoint / "training_state" / "run.json"
     if not run_file.is_file():
-        what = "not a checkpoint of this script (no training_state/run.json)" if checkpoint.is_dir() else \
-            "no such directory"
+        what = ("not a checkpoint of this script (no training_state/run.json)" if checkpoint.is_dir()
+                else "no such directory")
         raise UsageError(f"--resume {checkpoint}: {what}")
     run = json.loads(run_file.read_text())
     try:
@@ -1105,12 +1105,14 @@ def init_distributed(device: str) -> World:
     """Under torchrun (WORLD_SIZE > 1) join the process group (NCCL, or gloo on CPU) on this rank's GPU."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size > 1 and not dist.is_initialized():
-        gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device == "cuda" else None
-        if gpu is not None:
+        if device == "cuda":
+            gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(gpu)
-        # device_id connects NCCL now: vLLM's batch-invariant mode later sets NCCL_MAX_NCHANNELS=1 and
-        # NCCL_NTHREADS=1, read at connect, and FSDP would run on one channel (~1/10 speed, 2 GPUs = 1).
-        dist.init_process_group("gloo" if gpu is None else "nccl", device_id=gpu)
+            # device_id connects NCCL now: vLLM's batch-invariant mode later sets NCCL_MAX_NCHANNELS=1 and
+            # NCCL_NTHREADS=1, read at connect, and FSDP would run on one channel (~1/10 speed, 2 GPUs = 1).
+            dist.init_process_group("nccl", device_id=gpu)
+        else:
+            dist.init_process_group("gloo")
     return World(dist.get_rank(), size) if size > 1 else World()
 
 
