@@ -129,3 +129,60 @@ def test_vllm_holds_the_rotary_table_in_fp32_with_the_trainers_values():
     args = SimpleNamespace(head_dim=64, rope_theta=1_000_000, max_seq_len=4096)
     trainers = rope_cos_sin_cache(args, torch.bfloat16)
     assert trainers.dtype == torch.float32 and torch.equal(table.view(torch.int32), trainers.view(torch.int32))
+
+
+class CudaGenerator:
+    """What vLLM's sampler uses of a request's CUDA generator (a CPU torch.Generator has no offset)."""
+
+    def __init__(self, seed: int):
+        self.seed, self.offset = seed, 0
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def set_offset(self, offset: int) -> None:
+        self.offset = offset
+
+
+def test_seeded_sampler_keys_each_row_by_its_requests_seed_and_draw(monkeypatch):
+    """The host side of the sampler installed in vLLM (`seeded_random_sample`): row i's noise is keyed by
+    request i's seed (uint64, passed as its int64 bits) and draw count, each draw advances the generator by 4
+    as `exponential_` does, and a batch with an unseeded row goes to vLLM's own sampler. vLLM's Gumbel-max
+    kernel is Triton (GPU only: tests/test_gpu.py runs it); here a plain Gumbel-max keyed the same way."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+    from vllm.v1.worker.gpu.sample import gumbel
+
+    from batch_invariant_backward import install_exact_kernels
+
+    calls = []
+
+    def keyed_gumbel_max(logits, rows, temperature, seed, pos, apply_temperature):
+        assert rows.tolist() == list(range(len(logits))) and not apply_temperature
+        assert torch.equal(temperature, torch.ones(len(logits)))
+        calls.append(list(zip(seed.tolist(), pos.tolist())))
+        noise = [torch.rand(logits.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(
+            hash((s, p)) % 2**63)) for s, p in calls[-1]]
+        return (logits.double() - torch.stack(noise).log().neg().log()).argmax(-1)
+
+    monkeypatch.setattr(gumbel, "gumbel_sample", keyed_gumbel_max)
+    install_exact_kernels()
+    sample, vocab = topk_topp_sampler.random_sample, 50
+    probs = torch.softmax(torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)), -1)
+    seeds = [3, 4, 2**64 - 5, 7, 8, 9]
+    gens = {row: CudaGenerator(seed) for row, seed in enumerate(seeds)}
+    first = sample(probs.clone(), gens)
+    assert calls[-1] == [(3, 0), (4, 0), (-5, 0), (7, 0), (8, 0), (9, 0)]
+    assert [g.offset for g in gens.values()] == [4] * 6
+    second = sample(probs.clone(), gens)
+    assert [p for _, p in calls[-1]] == [1] * 6 and not torch.equal(first, second)
+    gens[1].set_offset(4)  # vLLM rewinds a draw it discards
+    again = sample(probs[[4, 1]].clone(), {0: gens[4], 1: gens[1]})  # two of the requests, reordered
+    assert calls[-1] == [(8, 2), (4, 1)] and again[1] == second[1]  # request 1's draw 1, in another batch
+    one_hot = torch.eye(6, vocab)  # row i can only draw token i: results stay in row order
+    assert sample(one_hot.clone(), {row: CudaGenerator(row) for row in range(6)}).tolist() == list(range(6))
+    n_calls = len(calls)
+    mixed = sample(probs.clone(), {0: torch.Generator().manual_seed(0)})  # rows 1-5 unseeded: vLLM's own
+    assert len(calls) == n_calls and mixed.shape == (6,)
