@@ -550,8 +550,8 @@ def seeded_random_sample(probs: torch.Tensor, generators: dict, unseeded: Callab
     """vLLM 0.20's `random_sample` (a token per row of `probs`, (rows, V) fp32) when every request has its own
     seed, as simple_rl.py's do: all rows at once, by the Gumbel-max kernel of vLLM's V2 model runner
     (`gumbel_sample`), each row's noise from its request's seed and the number of tokens it drew before.
-    vLLM's own draws each seeded row's noise with its own `exponential_` launch, ~2 ms of a 256-sequence
-    decode step. A draw advances the request's generator by 4, as `exponential_` does: vLLM rewinds a draw
+    vLLM's own draws each seeded row's noise with its own `exponential_` launch, 256 launches a step at 256
+    sequences. A draw advances the request's generator by 4, as `exponential_` does: vLLM rewinds a draw
     it discards by 4. The logprobs do not depend on the noise; which token is drawn does."""
     if len(generators) != len(probs):  # some rows draw from vLLM's global generator
         return unseeded(probs, generators)
