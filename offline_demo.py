@@ -3,6 +3,7 @@ with sequence-level masked importance sampling.
 
     python offline_demo.py                  # build demo/, train the three runs, write demo/on_vs_off.png
     python offline_demo.py --plot-only      # redraw the figure from runs/demo_*
+    python offline_demo.py --runs demo_on   # redo one run (each takes about 4 minutes); plot all there are
 
 No pretrained weights can be fetched here, so the demo makes everything it needs: a small Qwen3
 with random weights, a byte-level BPE tokenizer trained on the spot, and an arithmetic task in
@@ -188,7 +189,8 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("demo"), help="where the model, data and figure go")
     parser.add_argument("--max-operand", type=int, default=50, help="sums of two numbers below this")
     parser.add_argument("--plot-only", action="store_true", help="only redraw the figure from existing runs")
-    parser.add_argument("--only-on", action="store_true", help="skip the batch-invariance-off runs")
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), metavar="RUN",
+                        help=f"the runs to (re)do, of {', '.join(RUNS)}; the figure shows every run there is")
     parser.add_argument("extra", nargs="*", help="more simple_rl.py flags, after --")
     args = parser.parse_args()
     runs = {name: Path("runs") / name for name in RUNS}
@@ -206,7 +208,7 @@ def main():
                  "--eval-every", "25", "--eval-samples", "500", "--vllm-gpu-memory", "0.2",
                  "--max-tokens-per-microbatch", "16384",
                  "--parity-report-tokens", "0", *args.extra]  # fmt: skip
-        for name in ["demo_on"] if args.only_on else RUNS:
+        for name in args.runs:
             for previous in (runs[name], Path("checkpoints") / name):  # the demo's own runs: redone
                 shutil.rmtree(previous, ignore_errors=True)
             *_, extra, invariant = RUNS[name]
