@@ -626,13 +626,6 @@ def rope_cos_sin_cache(args, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype).float()
 
 
-# The divergence locator's tensors of one transformer block, in forward order: 'residual_in' is the block's
-# input sum (layer 0: the embedding), 'residual' the sum after attention (the adds vLLM fuses into the norms
-# after them); the rest are the outputs of the kernel calls the trainer's modules name in KERNEL_CALLS.
-LAYER_OPS = ("residual_in", "attention_norm", "qkv", "q_norm", "k_norm", "rotary", "attention", "o_proj",
-             "residual", "ffn_norm", "gate_up", "swiglu", "down")
-
-
 def as_rows(x) -> torch.Tensor:
     """(T, ...) tensor, or a (q, k) pair, as (T, n) fp32 (a bf16 value and its fp32 copy have equal bits)."""
     if isinstance(x, tuple):
@@ -691,8 +684,10 @@ def vllm_trace(llm, tokens: list[int]) -> dict:
 
 @torch.no_grad()
 def trainer_trace(model, batch) -> dict:
-    """The locator's tensors from simple_rl's Qwen3 over a one-sequence `batch`, by (layer, op): its kernel
-    calls, recorded by wrapping the kernels of each module that names its calls in KERNEL_CALLS."""
+    """The locator's tensors from simple_rl's Qwen3 over a one-sequence `batch`, by (layer, op) in forward
+    order: its kernel calls, recorded by wrapping the kernels of each module that names its calls in
+    KERNEL_CALLS, and before each block's two norms the sums they normalise: 'residual_in' (layer 0: the
+    embedding) and 'residual' (after attention), the adds vLLM fuses into its norms."""
     calls = {}  # module -> [(name, input, output)], in call order
 
     def recorded(module, names, fn):
@@ -715,10 +710,11 @@ def trainer_trace(model, batch) -> dict:
         model.reshard()
     trace = {}
     for i, layer in enumerate(model.layers):
-        for module in (layer, layer.attention, layer.feed_forward):
-            trace |= {(i, name): as_rows(out) for name, _, out in calls[module]}
-        (_, residual_in, _), (_, residual, _) = calls[layer]  # the norms' inputs: the sums before them
-        trace[i, "residual_in"], trace[i, "residual"] = as_rows(residual_in), as_rows(residual)
+        (first_norm, residual_in, normed_in), (second_norm, residual, normed) = calls[layer]
+        trace[i, "residual_in"], trace[i, first_norm] = as_rows(residual_in), as_rows(normed_in)
+        trace |= {(i, name): as_rows(out) for name, _, out in calls[layer.attention]}
+        trace[i, "residual"], trace[i, second_norm] = as_rows(residual), as_rows(normed)
+        trace |= {(i, name): as_rows(out) for name, _, out in calls[layer.feed_forward]}
     (_, final_residual, final_norm), _ = calls[model]
     trace[None, "final_residual"], trace[None, "final_norm"] = as_rows(final_residual), as_rows(final_norm)
     head = model.output_weight  # a sharded model's is a DTensor: the whole of it, for one row
@@ -728,11 +724,9 @@ def trainer_trace(model, batch) -> dict:
 
 
 def first_divergence(trainer: dict, served: dict) -> str:
-    """The first (layer, op), in forward order, whose tensors differ in a bit, and by how much."""
-    n_layers = 1 + max(layer for layer, _ in trainer if layer is not None)
-    keys = [(layer, op) for layer in range(n_layers) for op in LAYER_OPS]
-    for key in keys + [(None, "final_residual"), (None, "final_norm"), (None, "logits")]:
-        a, b = trainer[key], served[key].to(trainer[key].device)
+    """The first (layer, op) in `trainer_trace`'s forward order whose tensors differ in a bit; by how much."""
+    for key, a in trainer.items():
+        b = served[key].to(a.device)
         where = key[1] if key[0] is None else f"layer {key[0]} {key[1]}"
         if a.shape != b.shape:
             return f"{where}: shapes {tuple(a.shape)} (trainer) and {tuple(b.shape)} (vLLM)"

@@ -17,7 +17,7 @@ from conftest import gsm8k_jsonl, start_engine, write_chat_model, write_gsm8k_mo
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import simple_rl
-from batch_invariant_backward import LAYER_OPS, REFERENCE
+from batch_invariant_backward import REFERENCE
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
@@ -173,7 +173,9 @@ def test_an_inexact_run_locates_where_the_bits_part(tmp_path):
     print("\n[locator, batch invariance off] " + "\n".join(located))
     # Which op parts first depends on the batch (vLLM's kernels without batch invariance); each line
     # must name a layer and one of its ops.
-    named = re.compile(r"first divergence: layer \d+ (" + "|".join(LAYER_OPS) + "): ")
+    ops = ("residual_in", "residual", *simple_rl.TransformerBlock.KERNEL_CALLS, *simple_rl.Attention.KERNEL_CALLS,
+           *simple_rl.FeedForward.KERNEL_CALLS)
+    named = re.compile(r"first divergence: layer \d+ (" + "|".join(ops) + "): ")
     assert len(located) == 2 and all(named.search(line) for line in located), located
 
 
