@@ -4,7 +4,8 @@ vLLM's kernels compute forward passes only. Each `torch.autograd.Function` below
 the very kernel vLLM runs (so the trainer's forward bits are vLLM's bits) and, on the CPU, a
 plain-PyTorch reference of the same math (so the whole model also trains without a GPU). Every
 backward is written in plain PyTorch (cuBLAS and PyTorch's fused flash-attention backward on the
-GPU): gradients must be correct and deterministic, not batch-invariant.
+GPU; one small Triton kernel of ours, SwiGLU's): gradients must be correct and deterministic, not
+batch-invariant.
 
 A model picks its kernels explicitly: `EXACT` (these Functions) or `REFERENCE` (the plain-PyTorch
 functions under ordinary autograd, the ground truth in tests).
@@ -26,6 +27,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -100,10 +103,16 @@ def attention_reference(q, k, v, cu_seqlens, scale):
     return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
 
 
-def tempered_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+def tempered_logits(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
     """The bf16 logits (rows, V) in fp32 divided by the temperature, a tensor, as vLLM 0.20's sampler divides
-    them (`logits.div_(temp)`): dividing by a Python float would multiply by its reciprocal, other bits."""
-    return logits.to(_acc(logits.dtype)) / temperature  # fp32 (fp64 in gradchecks)
+    them (`logits.div_(temp)`): dividing by a Python float would multiply by its reciprocal, other bits.
+    None stands for T = 1, where dividing changes no bit: the pass over (rows, V) is skipped."""
+    x = logits.to(_acc(logits.dtype))  # fp32 (fp64 in gradchecks)
+    return x if temperature is None else x / temperature
+
+
+def temperature_tensor(temperature: float, dtype: torch.dtype, device=None) -> torch.Tensor | None:
+    return None if temperature == 1 else torch.tensor(temperature, dtype=dtype, device=device)
 
 
 def truncated(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -146,11 +155,34 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
-    """-sum p log p per row of (rows, V) logprobs; the tokens outside a top-k/top-p set (-inf) add 0."""
-    return -(logprobs.exp() * logprobs.masked_fill(logprobs == float("-inf"), 0)).sum(-1)
+    """-sum p log p per row of (rows, V) logprobs; the tokens outside a top-k/top-p set (log p = -inf, p = 0)
+    add 0. On CUDA outside autograd, `row_entropy`: one read of the logprobs, where these ops take four."""
+    if logprobs.is_cuda and not logprobs.requires_grad:
+        return row_entropy(logprobs)
+    return -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
 
 
-def sampled_distribution(logits, targets, temperature: torch.Tensor, top_k: int, top_p: float):
+@triton.jit
+def _row_entropy_kernel(logprobs, entropy, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        lp = tl.load(logprobs + row * V + cols, mask=cols < V, other=float("-inf"))
+        acc += tl.where(lp > float("-inf"), -tl.exp(lp) * lp, 0.0)
+    tl.store(entropy + row, tl.sum(acc, axis=0))
+
+
+def row_entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """`entropy_of` of fp32 (rows, V) logprobs in a Triton kernel of ours, a program per row (fp32 sums in a
+    fixed order: deterministic)."""
+    logprobs = logprobs.contiguous()
+    entropy = logprobs.new_empty(logprobs.shape[0])
+    _row_entropy_kernel[(len(entropy),)](logprobs, entropy, logprobs.shape[1], BLOCK=2048)
+    return entropy
+
+
+def sampled_distribution(logits, targets, temperature: torch.Tensor | None, top_k: int, top_p: float):
     """For a chunk of bf16 logits (rows, V) and the tokens sampled from them (rows,): the tokens' logprobs,
     the entropy, the number of tokens kept and the probability top-k/top-p cut from softmax(logits / T),
     each (rows,), under the distribution vLLM samples from. With every token kept, the last two are V and
@@ -169,7 +201,7 @@ def lm_head_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targe
                                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """hidden (C, dim), lm_head weight (V, dim), targets (C,) -> what `sampled_distribution` gives for their
     logits, in plain PyTorch under autograd on any device."""
-    x = tempered_logits(linear_reference(hidden, weight), torch.tensor(temperature, dtype=_acc(hidden.dtype)))
+    x = tempered_logits(linear_reference(hidden, weight), temperature_tensor(temperature, _acc(hidden.dtype)))
     before = torch.logsumexp(x.detach(), dim=-1)
     x = truncated(x, top_k, top_p)
     logprobs = torch.log_softmax(x, dim=-1)
@@ -306,9 +338,8 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
 
 class SiluAndMul(torch.autograd.Function):
     """`torch.ops._C.silu_and_mul`: vLLM's SwiGLU kernel, silu(gate) * up over [gate; up].
-    Backward: d up = dy * silu(gate), d gate = silu'(gate) * dy * up (PyTorch's fused
-    `silu_backward`), in the input dtype as plain autograd would: this is the widest activation,
-    so fp32 temporaries here would cost more memory traffic than the rest of the layer's backward."""
+    Backward: d up = dy * silu(gate), d gate = silu'(gate) * dy * up; on CUDA in one Triton pass
+    (`swiglu_backward`), elsewhere with PyTorch's `silu_backward` in the input dtype."""
 
     @staticmethod
     def forward(ctx, gate_up):
@@ -324,12 +355,39 @@ class SiluAndMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (gate_up,) = ctx.saved_tensors
+        if gate_up.is_cuda:
+            return swiglu_backward(grad_out, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         grad = torch.empty_like(gate_up)
         grad_gate, grad_up = grad.chunk(2, dim=-1)
         torch.mul(grad_out, F.silu(gate), out=grad_up)
         grad_gate.copy_(torch.ops.aten.silu_backward(grad_out * up, gate))
         return grad
+
+
+@triton.jit
+def _swiglu_backward_kernel(grad_out, gate_up, grad, I, BLOCK: tl.constexpr):
+    # One row's block of BLOCK columns: reads dy, gate and up once, writes d gate and d up once.
+    row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    dy = tl.load(grad_out + row * I + cols, mask=mask).to(tl.float32)
+    gate = tl.load(gate_up + row * 2 * I + cols, mask=mask).to(tl.float32)
+    up = tl.load(gate_up + row * 2 * I + I + cols, mask=mask).to(tl.float32)
+    s = tl.sigmoid(gate)
+    d_gate = dy * up * s * (1 + gate * (1 - s))  # silu'(g) = s (1 + g (1 - s))
+    tl.store(grad + row * 2 * I + cols, d_gate.to(grad.dtype.element_ty), mask=mask)
+    tl.store(grad + row * 2 * I + I + cols, (dy * gate * s).to(grad.dtype.element_ty), mask=mask)
+
+
+def swiglu_backward(grad_out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """SiluAndMul's backward on CUDA in one pass: fp32 math, one rounding of each gradient. The same math in
+    PyTorch ops takes five passes over (T, I) activations, the widest of the layer."""
+    I = grad_out.shape[-1]
+    grad_out, gate_up = grad_out.contiguous(), gate_up.contiguous()
+    grad = torch.empty_like(gate_up)
+    rows = gate_up.numel() // (2 * I)
+    _swiglu_backward_kernel[(rows, triton.cdiv(I, 1024))](grad_out, gate_up, grad, I, BLOCK=1024)
+    return grad
 
 
 def _vllm_rotary(q, k, positions, cos_sin_cache):
@@ -447,6 +505,44 @@ def _attention_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens, scale
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
+@triton.jit
+def _logprob_grad_kernel(logits, targets, grad_logprobs, grad, V, temperature, BLOCK: tl.constexpr):
+    # One row: a pass for max z, one for the sum of exp(z / T - max z / T), one that writes the gradient.
+    row = tl.program_id(0).to(tl.int64)
+    peak = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        z = tl.load(logits + row * V + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        peak = tl.maximum(peak, z)
+    top = tl.max(peak, axis=0) / temperature
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        z = tl.load(logits + row * V + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        total += tl.exp(z / temperature - top)
+    total = tl.sum(total, axis=0)
+    g, target = tl.load(grad_logprobs + row), tl.load(targets + row)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        z = tl.load(logits + row * V + cols, mask=cols < V, other=0.0).to(tl.float32)
+        p = tl.exp(z / temperature - top) / total
+        d = g * (tl.where(cols == target, 1.0, 0.0) - p) / temperature
+        tl.store(grad + row * V + cols, d.to(grad.dtype.element_ty), mask=cols < V)
+
+
+def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, grad_logprobs: torch.Tensor,
+                 temperature: float) -> torch.Tensor:
+    """d(sum g * log softmax(z / T)[t]) / dz = g (onehot(t) - softmax(z / T)) / T for bf16 logits z (rows, V),
+    in a Triton kernel of ours: fp32 math, three reads of z and one write of the bf16 gradient per row, where
+    PyTorch ops make and pass over fp32 (rows, V) temporaries."""
+    logits = logits.contiguous()
+    grad = torch.empty_like(logits)
+    targets, grad_logprobs = targets.contiguous(), grad_logprobs.float().contiguous()
+    _logprob_grad_kernel[(len(logits),)](logits, targets, grad_logprobs, grad, logits.shape[1], temperature,
+                                         BLOCK=2048)
+    return grad
+
+
 class LMHeadLogprobs(torch.autograd.Function):
     """lm_head and the sampler's logprobs, fused. `tiled_linear` gives the bf16 logits z of all rows
     (vLLM's lm_head). Then, a chunk of rows at a time, `sampled_distribution` makes them what vLLM's sampler
@@ -458,7 +554,8 @@ class LMHeadLogprobs(torch.autograd.Function):
     Backward, per chunk: with p the sampled distribution recomputed from the kept logits (0 outside the
     kept set, whose tokens so get no gradient), dz = (g_lp * (onehot(t) - p) - g_H * p * (log p + H)) / T,
     rounded to bf16; then dh = dz @ W and dW = dz^T @ h, one cuBLAS matmul each over all rows (fp32
-    accumulation, one rounding). The entropy term is skipped when nothing depends on the entropy."""
+    accumulation, one rounding). The entropy term is skipped when nothing depends on the entropy; then,
+    with nothing truncated (RL's usual case), `logprob_grad` computes dz of all rows in one kernel on CUDA."""
 
     ROWS_PER_CHUNK_TIMES_VOCAB = 2**27  # 0.5 GiB per fp32 temporary
 
@@ -466,36 +563,39 @@ class LMHeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature: float, top_k: int = 0, top_p: float = 1.0):
         rows = max(1, LMHeadLogprobs.ROWS_PER_CHUNK_TIMES_VOCAB // weight.shape[0])
         # Dividing by a Python float would multiply by its reciprocal: other bits than vLLM's division.
-        temp = torch.tensor(temperature, dtype=_acc(hidden.dtype), device=hidden.device)
+        temp = temperature_tensor(temperature, _acc(hidden.dtype), hidden.device)
         logits = _linear_forward(hidden, weight)  # (C, V)
         chunks = [sampled_distribution(z, t, temp, top_k, top_p)
                   for z, t in zip(logits.split(rows), targets.split(rows))]
         logprobs, entropy, kept, cut = (torch.cat(parts) for parts in zip(*chunks))
-        ctx.save_for_backward(hidden, weight, targets, entropy, temp, logits)
-        ctx.rows, ctx.top_k, ctx.top_p = rows, top_k, top_p
+        ctx.save_for_backward(hidden, weight, targets, entropy, logits)
+        ctx.temperature, ctx.temp, ctx.rows, ctx.top_k, ctx.top_p = temperature, temp, rows, top_k, top_p
         ctx.mark_non_differentiable(kept, cut)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return logprobs, entropy, kept, cut
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
-        hidden, weight, targets, entropy, temp, logits = ctx.saved_tensors
-        acc = _acc(hidden.dtype)
-        n = hidden.shape[0]
+        hidden, weight, targets, entropy, logits = ctx.saved_tensors
+        n, temp = hidden.shape[0], ctx.temp
         g_lp = grad_logprobs if grad_logprobs is not None else hidden.new_zeros(n, dtype=entropy.dtype)
+        if logits.is_cuda and grad_entropy is None and not (ctx.top_k or ctx.top_p < 1):
+            grad_logits = logprob_grad(logits, targets, g_lp, ctx.temperature)  # RL's usual case: one kernel
+            return grad_logits @ weight, grad_logits.t() @ hidden, None, None, None, None
         grad_logits = torch.empty_like(logits)
         for i in range(0, n, ctx.rows):
             rows = slice(i, i + ctx.rows)
-            lp = torch.log_softmax(truncated(tempered_logits(logits[rows], temp), ctx.top_k, ctx.top_p),
-                                   dim=-1)
+            x = truncated(tempered_logits(logits[rows], temp), ctx.top_k, ctx.top_p)
             if grad_entropy is None:
-                grad = lp.exp_().mul_(-g_lp[rows, None])  # -p * g_lp
+                grad = torch.softmax(x, dim=-1).mul_(-g_lp[rows, None])  # -p * g_lp
             else:
+                lp = torch.log_softmax(x, dim=-1)
                 p = lp.exp()
                 lp.masked_fill_(p == 0, 0)  # -inf outside the kept set, where p is 0
                 grad = ((lp + entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(g_lp[rows, None])
                         .mul_(-p))
-            grad_logits[rows] = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None]).div_(temp)
+            grad = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
+            grad_logits[rows] = grad if temp is None else grad.div_(temp)
         return grad_logits @ weight, grad_logits.t() @ hidden, None, None, None, None
 
 

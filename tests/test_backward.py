@@ -1,12 +1,18 @@
 """Every backward of batch_invariant_backward.py against float64 finite differences (gradcheck) and
 against PyTorch autograd of its plain reference, on the CPU path."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import batch_invariant_backward as bib
 
 f64 = dict(dtype=torch.float64, requires_grad=True)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def packed(seqlens):
@@ -115,3 +121,29 @@ def test_truncation_keeps_what_it_says_and_changes_nothing_when_off():
     needed = (probs.cumsum(-1) < 0.5).sum(-1) + 1  # the fewest tokens whose mass reaches 0.5
     assert kept.tolist() == needed.tolist()
     torch.testing.assert_close(cut, 1 - torch.stack([p[:n].sum() for p, n in zip(probs, needed)]))
+
+
+def test_triton_kernels_under_tritons_interpreter():
+    """Our three Triton kernels, which run on CUDA, run on the CPU by Triton's interpreter against float64
+    PyTorch, over rows longer than one block: SwiGLU's backward and lm_head's logprob gradient within one bf16
+    unit in the last place (the interpreter rounds to bf16 by truncation), the entropy of logprobs with a
+    top-k cut (-inf) within fp32 rounding."""
+    check = """
+import torch, batch_invariant_backward as bib
+torch.manual_seed(0)
+gate_up, grad_out = torch.randn(37, 2 * 1500, dtype=torch.bfloat16), torch.randn(37, 1500, dtype=torch.bfloat16)
+x = gate_up.double().requires_grad_()
+(bib.silu_and_mul_reference(x) * grad_out.double()).sum().backward()
+torch.testing.assert_close(bib.swiglu_backward(grad_out, gate_up).double(), x.grad, rtol=2**-7, atol=2**-10)
+
+logits, targets, g = (3 * torch.randn(7, 5000)).bfloat16(), torch.randint(0, 5000, (7,)), torch.randn(7)
+z = logits.double().requires_grad_()
+(torch.log_softmax(z / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1) * g.double()).sum().backward()
+torch.testing.assert_close(bib.logprob_grad(logits, targets, g, 0.7).double(), z.grad, rtol=2**-7, atol=1e-9)
+
+logprobs = torch.log_softmax(torch.randn(7, 5000).double(), -1)
+logprobs[:, 100:] = float("-inf")
+torch.testing.assert_close(bib.row_entropy(logprobs.float()).double(), bib.entropy_of(logprobs))
+"""
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", check], env=env, check=True)

@@ -266,7 +266,8 @@ def relative_error(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def test_gradients_match_autograd_within_bf16_tolerance(served):
+@pytest.mark.parametrize("entropy_coef", [0.01, 0.0])  # 0: lm_head's backward without the entropy term
+def test_gradients_match_autograd_within_bf16_tolerance(served, entropy_coef):
     """Trainer (vLLM forward kernels, hand-written backwards, bf16) against plain-PyTorch autograd:
     its error to the fp32 reference is no worse than plain bf16 autograd's own error to it."""
     _, model, config, name, _ = served
@@ -284,7 +285,8 @@ def test_gradients_match_autograd_within_bf16_tolerance(served):
         m.load_state_dict(weights)
         batch = simple_rl.pack_sequences([s[:10] for s in seqs], [s[10:] for s in seqs], "cuda")
         out = m(batch)
-        (out.logprobs.sum() / len(out.logprobs) + 0.01 * out.entropy.mean()).backward()
+        loss = out.logprobs.sum() / len(out.logprobs)
+        (loss + entropy_coef * out.entropy.mean() if entropy_coef else loss).backward()
         grads[label] = {n: p.grad for n, p in m.named_parameters()}
     for n in grads["fp32"]:
         err = relative_error(grads["exact"][n], grads["fp32"][n])
