@@ -4,8 +4,8 @@ vLLM's kernels compute forward passes only. Each `torch.autograd.Function` below
 the very kernel vLLM runs (so the trainer's forward bits are vLLM's bits) and, on the CPU, a
 plain-PyTorch reference of the same math (so the whole model also trains without a GPU). Every
 backward is written in plain PyTorch (cuBLAS and PyTorch's fused flash-attention backward on the
-GPU; one small Triton kernel of ours, SwiGLU's): gradients must be correct and deterministic, not
-batch-invariant.
+GPU; three small Triton kernels of ours, for SwiGLU's backward, lm_head's logprob gradient and the
+entropy): gradients must be correct and deterministic, not batch-invariant.
 
 A model picks its kernels explicitly: `EXACT` (these Functions) or `REFERENCE` (the plain-PyTorch
 functions under ordinary autograd, the ground truth in tests).
@@ -112,6 +112,7 @@ def tempered_logits(logits: torch.Tensor, temperature: torch.Tensor | None) -> t
 
 
 def temperature_tensor(temperature: float, dtype: torch.dtype, device=None) -> torch.Tensor | None:
+    """What `tempered_logits` divides by: T as a tensor, or None at T = 1."""
     return None if temperature == 1 else torch.tensor(temperature, dtype=dtype, device=device)
 
 
