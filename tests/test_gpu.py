@@ -1,7 +1,7 @@
 """On the GPU, against the real vLLM 0.20: the trainer's logprob of every sampled token equals
 vLLM's bit for bit, whatever the batch, at any temperature, top-k and top-p; the CUDA-graph engine gives
-the eager engine's bits; weights pushed after a sleep are exact; gradients are right; the re-tiled matmul
-gives vLLM's matmul's bits.
+the eager engine's bits; weights pushed after a sleep are exact; gradients are right (our Triton backwards
+too, past int32 offsets); the re-tiled matmul gives vLLM's matmul's bits.
 Run with VLLM_BATCH_INVARIANT=1 (the tests refuse to run without it). One engine per model for
 the whole session, configured as simple_rl.py configures it (CUDA graphs; sleep mode for the 1.7B
 shape: vLLM allows one sleep-mode engine per process)."""
@@ -294,6 +294,31 @@ def test_gradients_match_autograd_within_bf16_tolerance(served, entropy_coef):
         assert err <= 2 * baseline + 1e-3, f"{n}: {err:.2e} vs plain bf16 autograd {baseline:.2e}"
     worst = max(relative_error(grads["exact"][n], grads["fp32"][n]) for n in grads["fp32"])
     print(f"\n[{name}] worst gradient relative error vs fp32 autograd: {worst:.2e}")
+
+
+def test_triton_backwards_round_once_and_reach_past_int32_offsets():
+    """Our Triton backwards on the GPU against float64 PyTorch, each within one bf16 unit in the last place:
+    SwiGLU's at the 1.7B shape's width, and lm_head's logprob gradient over 14,200 rows of the whole vocabulary
+    (2.16e9 elements), checked on its last rows, whose offsets pass 2^31."""
+    from batch_invariant_backward import logprob_grad, silu_and_mul_reference, swiglu_backward
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = torch.randn(4096, 2 * 6144, device="cuda", generator=g, dtype=torch.bfloat16)
+    grad_out = torch.randn(4096, 6144, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = gate_up.double().requires_grad_()
+    (silu_and_mul_reference(x) * grad_out.double()).sum().backward()
+    torch.testing.assert_close(swiglu_backward(grad_out, gate_up).double(), x.grad, rtol=2**-7, atol=1e-5)
+    rows, vocab = 14_200, 151_936
+    logits = torch.randn(rows, vocab, device="cuda", generator=g, dtype=torch.bfloat16).mul_(3)
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    weights = torch.randn(rows, device="cuda", generator=g)
+    grad = logprob_grad(logits, targets, weights, 0.7)
+    last = slice(rows - 4, rows)
+    assert (rows - 4) * vocab > 2**31
+    z = logits[last].double().requires_grad_()
+    logprobs = torch.log_softmax(z / 0.7, -1).gather(-1, targets[last, None]).squeeze(-1)
+    (logprobs * weights[last].double()).sum().backward()
+    torch.testing.assert_close(grad[last].double(), z.grad, rtol=2**-7, atol=1e-9)
 
 
 QWEN3_SHAPES = {  # hidden, intermediate, query heads, key/value heads (head_dim 128, vocabulary 151936)
