@@ -4,8 +4,8 @@ vLLM's kernels compute forward passes only. Each `torch.autograd.Function` below
 the very kernel vLLM runs (so the trainer's forward bits are vLLM's bits) and, on the CPU, a
 plain-PyTorch reference of the same math (so the whole model also trains without a GPU). Every
 backward is written in plain PyTorch (cuBLAS and PyTorch's fused flash-attention backward on the
-GPU; three small Triton kernels of ours, for SwiGLU's backward, lm_head's logprob gradient and the
-entropy): gradients must be correct and deterministic, not batch-invariant.
+GPU), or for SwiGLU and lm_head's logprobs in a small Triton kernel of ours on the GPU (as is the
+entropy, in the forward): gradients must be correct and deterministic, not batch-invariant.
 
 A model picks its kernels explicitly: `EXACT` (these Functions) or `REFERENCE` (the plain-PyTorch
 functions under ordinary autograd, the ground truth in tests).
@@ -107,7 +107,7 @@ def tempered_logits(logits: torch.Tensor, temperature: torch.Tensor | None) -> t
     """The bf16 logits (rows, V) in fp32 divided by the temperature, a tensor, as vLLM 0.20's sampler divides
     them (`logits.div_(temp)`): dividing by a Python float would multiply by its reciprocal, other bits.
     None stands for T = 1, where dividing changes no bit: the pass over (rows, V) is skipped."""
-    x = logits.to(_acc(logits.dtype))  # fp32 (fp64 in gradchecks)
+    x = logits.to(_acc(logits.dtype), copy=True)  # fp32 (fp64 in gradchecks); a copy: top-k/p masks in place
     return x if temperature is None else x / temperature
 
 
@@ -170,7 +170,7 @@ def _row_entropy_kernel(logprobs, entropy, V, BLOCK: tl.constexpr):
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         lp = tl.load(logprobs + row * V + cols, mask=cols < V, other=float("-inf"))
-        acc += tl.where(lp > float("-inf"), -tl.exp(lp) * lp, 0.0)
+        acc += tl.where(lp == float("-inf"), 0.0, -tl.exp(lp) * lp)  # a NaN stays NaN, as in PyTorch
     tl.store(entropy + row, tl.sum(acc, axis=0))
 
 

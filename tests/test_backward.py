@@ -123,11 +123,18 @@ def test_truncation_keeps_what_it_says_and_changes_nothing_when_off():
     torch.testing.assert_close(cut, 1 - torch.stack([p[:n].sum() for p, n in zip(probs, needed)]))
 
 
+def test_tempered_logits_never_alias_the_logits():
+    """Top-k/top-p masks the tempered logits in place (on CUDA): they are a copy even at T = 1 and in fp32, or
+    the forward would mask the very logits its backward recomputes the distribution from."""
+    logits = torch.randn(3, 5)
+    assert bib.tempered_logits(logits, None).data_ptr() != logits.data_ptr()
+
+
 def test_triton_kernels_under_tritons_interpreter():
     """Our three Triton kernels, which run on CUDA, run on the CPU by Triton's interpreter against float64
     PyTorch, over rows longer than one block: SwiGLU's backward and lm_head's logprob gradient within one bf16
     unit in the last place (the interpreter rounds to bf16 by truncation), the entropy of logprobs with a
-    top-k cut (-inf) within fp32 rounding."""
+    top-k cut (-inf) within fp32 rounding, and NaN for a row holding a NaN."""
     check = """
 import torch, batch_invariant_backward as bib
 torch.manual_seed(0)
@@ -144,6 +151,8 @@ torch.testing.assert_close(bib.logprob_grad(logits, targets, g, 0.7).double(), z
 logprobs = torch.log_softmax(torch.randn(7, 5000).double(), -1)
 logprobs[:, 100:] = float("-inf")
 torch.testing.assert_close(bib.row_entropy(logprobs.float()).double(), bib.entropy_of(logprobs))
+logprobs[0, 3] = float("nan")
+assert bib.row_entropy(logprobs.float()).isnan().tolist() == [True] + [False] * 6
 """
     env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", check], env=env, check=True)
