@@ -538,7 +538,7 @@ def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, grad_logprobs: tor
     PyTorch ops make and pass over fp32 (rows, V) temporaries."""
     logits = logits.contiguous()
     grad = torch.empty_like(logits)
-    targets, grad_logprobs = targets.contiguous(), grad_logprobs.float().contiguous()
+    targets, grad_logprobs = targets.contiguous(), grad_logprobs.contiguous()
     _logprob_grad_kernel[(len(logits),)](logits, targets, grad_logprobs, grad, logits.shape[1], temperature,
                                          BLOCK=2048)
     return grad
@@ -570,7 +570,7 @@ class LMHeadLogprobs(torch.autograd.Function):
                   for z, t in zip(logits.split(rows), targets.split(rows))]
         logprobs, entropy, kept, cut = (torch.cat(parts) for parts in zip(*chunks))
         ctx.save_for_backward(hidden, weight, targets, entropy, logits)
-        ctx.temperature, ctx.temp, ctx.rows, ctx.top_k, ctx.top_p = temperature, temp, rows, top_k, top_p
+        ctx.temperature, ctx.rows, ctx.top_k, ctx.top_p = temperature, rows, top_k, top_p
         ctx.mark_non_differentiable(kept, cut)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return logprobs, entropy, kept, cut
@@ -578,11 +578,12 @@ class LMHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         hidden, weight, targets, entropy, logits = ctx.saved_tensors
-        n, temp = hidden.shape[0], ctx.temp
+        n = hidden.shape[0]
         g_lp = grad_logprobs if grad_logprobs is not None else hidden.new_zeros(n, dtype=entropy.dtype)
         if logits.is_cuda and grad_entropy is None and not (ctx.top_k or ctx.top_p < 1):
             grad_logits = logprob_grad(logits, targets, g_lp, ctx.temperature)  # RL's usual case: one kernel
             return grad_logits @ weight, grad_logits.t() @ hidden, None, None, None, None
+        temp = temperature_tensor(ctx.temperature, entropy.dtype, logits.device)
         grad_logits = torch.empty_like(logits)
         for i in range(0, n, ctx.rows):
             rows = slice(i, i + ctx.rows)
