@@ -218,25 +218,26 @@ def lm_head_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 def matmul_tiles(M: int, N: int, K: int, num_sms: int) -> dict:
     """The tiles `tiled_linear` launches vLLM's persistent matmul with, for (M, K) @ (K, N) in bf16.
-    vLLM 0.20 uses 128 x 128 tiles for every M: a decode step's projections (M = the sequences decoding)
-    then get N / 128 tiles, 16 for a 2048-wide output, and leave most SMs idle. Here, at up to 512 rows,
-    a tile is as tall as the rows need, and as wide as 2^18 / K columns (a tile's K loop reads a bounded
-    slice of the weight) but narrower while fewer than a fifth of the SMs would get a tile; from 512 rows
-    on, 128 x 256 tiles run near cuBLAS's speed. Chosen from a sweep of 57 tile shapes over the Qwen3-1.7B
-    projections on an H100 (`bench.py --kernels --sweep`). Only BLOCK_SIZE_K fixes the order of the fp32
-    sums, so every choice gives the same bits (tests/test_gpu.py checks that)."""
+    vLLM 0.20 uses 128 x 128 tiles and 3 pipeline stages for every M: a decode step's projections (M = the
+    sequences decoding) then get N / 128 tiles, 16 for a 2048-wide output, and leave most SMs idle. Here,
+    at up to 512 rows, a tile is as tall as the rows need and as wide as keeps at least half the SMs busy,
+    and it keeps up to 8 K steps of loads in flight: a decode GEMM is a read of the weights, and narrow
+    tiles need deep pipelines to read at full speed. From 512 rows on, 128 x 256 tiles run near cuBLAS's
+    speed. Chosen from sweeps over the Qwen3-1.7B projections on an H100 (`bench.py --kernels --sweep`).
+    Only BLOCK_SIZE_K fixes the order of the fp32 sums, so every choice gives the same bits
+    (tests/test_gpu.py checks that)."""
     if M > 512:
         return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, num_warps=8, num_stages=3)
     block_m = min(128, max(16, 1 << (M - 1).bit_length()))  # the power of 2 that holds M rows
     rows = -(-M // block_m)
     if block_m == 128 and rows * -(-N // 256) >= num_sms // 2:
-        block_n = 256  # enough columns for wide tiles (gate/up and lm_head at 256 rows)
-    else:
-        block_n = 128 if K <= 2048 else 64 if K <= 4096 else 32
-        while block_n > 16 and rows * -(-N // block_n) < num_sms // 5:
-            block_n //= 2
+        return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, num_warps=8, num_stages=4)  # gate/up, lm_head
+    block_n = 128
+    while block_n > 16 and rows * -(-N // block_n) < num_sms // 2:
+        block_n //= 2
+    stages = min(8, 200_000 // ((block_m + block_n) * 64 * 2))  # as many as ~200 KB of shared memory holds
     return dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n,
-                num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=4)
+                num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=stages)
 
 
 def qwen3_gemms(dim: int, hidden_dim: int, n_heads: int, n_kv_heads: int, head_dim: int,

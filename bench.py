@@ -590,7 +590,7 @@ def tile_sweep(shapes: dict, weight) -> dict:
 
     candidates = [dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, num_warps=w, num_stages=s)
                   for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128, 256) for w in (4, 8)
-                  for s in (3, 4) if (bm * 64 + 64 * bn) * 2 * s <= 200_000 and not (w == 8 and bm * bn < 4096)]
+                  for s in (3, 4, 6, 8) if (bm * 64 + 64 * bn) * 2 * s <= 200_000 and not (w == 8 and bm * bn < 4096)]
     out, differ = {}, 0
     for name, (n, k) in shapes.items():
         w = weight(n, k)

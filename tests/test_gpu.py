@@ -315,10 +315,12 @@ def test_triton_backwards_round_once_and_reach_past_int32_offsets():
     grad = logprob_grad(logits, targets, weights, 0.7)
     last = slice(rows - 4, rows)
     assert (rows - 4) * vocab > 2**31
-    z = logits[last].double().requires_grad_()
-    logprobs = torch.log_softmax(z / 0.7, -1).gather(-1, targets[last, None]).squeeze(-1)
-    (logprobs * weights[last].double()).sum().backward()
-    torch.testing.assert_close(grad[last].double(), z.grad, rtol=2**-7, atol=1e-9)
+    # The reference runs on the CPU: once an engine is up, vLLM's batch-invariant log_softmax (fp32 only)
+    # serves aten's on CUDA.
+    z = logits[last].double().cpu().requires_grad_()
+    logprobs = torch.log_softmax(z / 0.7, -1).gather(-1, targets[last, None].cpu()).squeeze(-1)
+    (logprobs * weights[last].double().cpu()).sum().backward()
+    torch.testing.assert_close(grad[last].double().cpu(), z.grad, rtol=2**-7, atol=1e-9)
 
 
 QWEN3_SHAPES = {  # hidden, intermediate, query heads, key/value heads (head_dim 128, vocabulary 151936)
