@@ -281,6 +281,9 @@ def run_side(side: str, ckpt: Path, args) -> dict:
     }
 
 
+PHASES = ("generate", "train", "push")
+
+
 def combine(runs: list[dict]) -> dict:
     """One side's figures over the timed steps of all its processes: median phase and step times,
     the highest peak memory, every step's mismatch count."""
@@ -313,6 +316,9 @@ def step_benchmark(args) -> dict:
             with peak_gpu_memory(peak):
                 subprocess.run(cmd, env=env, check=True)
             runs[side].append(json.loads(out.read_text()) | peak)
+            one = combine(runs[side][-1:])  # printed as it ends: a benchmark cut short still reports
+            print(f"  process {run + 1} ({side}): " + ", ".join(f"{p} {one[p]:.2f} s" for p in PHASES)
+                  + f", step {one['step']:.2f} s, peak {one['peak_gib']:.1f} GiB", flush=True)
         results = {side: combine(measured) for side, measured in runs.items()}
     exact, standard = results["exact"], results["standard"]
     print(
@@ -326,7 +332,7 @@ def step_benchmark(args) -> dict:
     for name, r in results.items():
         print(
             f"  {name:<10}"
-            + "".join(f"{r[p]:>10.2f}s" for p in ("generate", "train", "push", "step"))
+            + "".join(f"{r[p]:>10.2f}s" for p in (*PHASES, "step"))
             + f"{r['peak_gib']:>7.1f} GiB"
         )
     print(
@@ -344,8 +350,6 @@ def step_benchmark(args) -> dict:
 
 
 # --- simple_rl.py on 1 GPU against torchrun on N ------------------------------------------------------
-
-PHASES = ("generate", "train", "push")
 
 
 def script_run(gpus: int, model: Path, workdir: Path, args) -> dict:
