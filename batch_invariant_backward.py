@@ -221,9 +221,10 @@ def matmul_tiles(M: int, N: int, K: int, num_sms: int) -> dict:
     vLLM 0.20 uses 128 x 128 tiles and 3 pipeline stages for every M: a decode step's projections (M = the
     sequences decoding) then get N / 128 tiles, 16 for a 2048-wide output, and leave most SMs idle. Here,
     at up to 512 rows, a tile is as tall as the rows need and as wide as keeps at least half the SMs busy,
-    and it keeps up to 8 K steps of loads in flight: a decode GEMM is a read of the weights, and narrow
-    tiles need deep pipelines to read at full speed. From 512 rows on, 128 x 256 tiles run near cuBLAS's
-    speed. Chosen from sweeps over the Qwen3-1.7B projections on an H100 (`bench.py --kernels --sweep`).
+    and its pipeline has up to 8 stages (7 K steps loading ahead): a decode GEMM is a read of the weights,
+    and narrow tiles need deep pipelines to read at full speed. Above 512 rows, 128 x 256 tiles run near
+    cuBLAS's speed. K does not change the choice. Chosen from sweeps over the Qwen3-1.7B projections on an
+    H100 (`bench.py --kernels --sweep`).
     Only BLOCK_SIZE_K fixes the order of the fp32 sums, so every choice gives the same bits
     (tests/test_gpu.py checks that)."""
     if M > 512:
@@ -235,7 +236,8 @@ def matmul_tiles(M: int, N: int, K: int, num_sms: int) -> dict:
     block_n = 128
     while block_n > 16 and rows * -(-N // block_n) < num_sms // 2:
         block_n //= 2
-    stages = min(8, 200_000 // ((block_m + block_n) * 64 * 2))  # as many as ~200 KB of shared memory holds
+    # As many stages as ~200 KB of shared memory holds (Triton adds up to 32 KB; an H100 SM has 227 KB).
+    stages = min(8, 200_000 // ((block_m + block_n) * 64 * 2))
     return dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n,
                 num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=stages)
 

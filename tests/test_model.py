@@ -191,20 +191,23 @@ def test_seeded_sampler_keys_each_row_by_its_requests_seed_and_draw(monkeypatch)
 def test_matmul_tiles_fit_in_shared_memory_and_spread_over_the_sms():
     """The tiles tiled_linear picks (their bits are checked on the GPU) for every GEMM of every Qwen3 size,
     at 1 to 32k rows: a tile is a power of 2 of 16 to 256 on a side, its pipeline stages fit an H100 SM's
-    shared memory, it holds its rows in one tile row when M is small, and below 512 rows its shape gives at
-    least half of the SMs a tile whenever tiles as narrow as 16 columns can."""
+    shared memory (227 KB, of which Triton's kernel takes up to 32 KB besides the stages: measured by
+    compiling it), up to 128 rows it is the power of 2 that holds them, and up to 512 rows its shape gives
+    at least half of the SMs a tile whenever tiles as narrow as 16 columns can."""
     from batch_invariant_backward import matmul_tiles, qwen3_gemms
     from test_gpu import QWEN3_SHAPES
 
     sms, smem = 132, 227 * 1024
     for dim, hidden_dim, heads, kv_heads in QWEN3_SHAPES.values():
         for n, k in qwen3_gemms(dim, hidden_dim, heads, kv_heads, 128, 151936).values():
-            for m in (1, 2, 7, 16, 17, 31, 32, 33, 64, 100, 128, 129, 255, 256, 257, 511, 512, 513, 8192, 32768):
+            for m in (1, 2, 7, 16, 17, 31, 32, 33, 64, 100, 128, 129, 255, 256, 257, 511, 512, 513, 8192,
+                      32768):
                 t = matmul_tiles(m, n, k, sms)
                 bm, bn, stages = t["BLOCK_SIZE_M"], t["BLOCK_SIZE_N"], t["num_stages"]
                 assert {bm, bn} <= {16, 32, 64, 128, 256} and t["num_warps"] in (4, 8), (m, n, k, t)
-                assert (bm + bn) * 64 * 2 * stages <= smem, (m, n, k, t)  # bf16 A and B tiles, 64 deep
+                # bf16 tiles of A and B, 64 deep, one per stage, and Triton's own scratch
+                assert (bm + bn) * 64 * 2 * stages + 32 * 1024 <= smem, (m, n, k, t)
                 if m <= 128:
-                    assert bm >= m or bm == 128, (m, n, k, t)
+                    assert bm == max(16, 1 << (m - 1).bit_length()), (m, n, k, t)
                 if m <= 512 and bn > 16:
                     assert -(-m // bm) * -(-n // bn) >= sms // 2, (m, n, k, t)
