@@ -216,16 +216,15 @@ def lm_head_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targe
 # ---------------------------------------------------------------------------------------------
 
 
-def matmul_tiles(M: int, N: int, K: int, num_sms: int) -> dict:
+def matmul_tiles(M: int, N: int, num_sms: int) -> dict:
     """The tiles `tiled_linear` launches vLLM's persistent matmul with, for (M, K) @ (K, N) in bf16.
     vLLM 0.20 uses 128 x 128 tiles and 3 pipeline stages for every M: a decode step's projections (M = the
     sequences decoding) then get N / 128 tiles, 16 for a 2048-wide output, and leave most SMs idle. Here,
     at up to 512 rows, a tile is as tall as the rows need and as wide as keeps at least half the SMs busy,
     and its pipeline has up to 8 stages (7 K steps loading ahead): a decode GEMM is a read of the weights,
     and narrow tiles need deep pipelines to read at full speed. Above 512 rows, 128 x 256 tiles run near
-    cuBLAS's speed. K does not change the choice. Chosen from sweeps over the Qwen3-1.7B projections on an
-    H100 (`bench.py --kernels --sweep`).
-    Only BLOCK_SIZE_K fixes the order of the fp32 sums, so every choice gives the same bits
+    cuBLAS's speed. Chosen from sweeps over the Qwen3-1.7B projections on an H100 (`bench.py --kernels
+    --sweep`). Only BLOCK_SIZE_K fixes the order of the fp32 sums, so every choice gives the same bits
     (tests/test_gpu.py checks that)."""
     if M > 512:
         return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, num_warps=8, num_stages=3)
@@ -266,7 +265,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         (M, K), N = a.shape, b.shape[1]
         out = torch.empty((M, N), device=a.device, dtype=a.dtype)
         num_sms = _num_sms(a.device)
-        config = tiles or matmul_tiles(M, N, K, num_sms)
+        config = tiles or matmul_tiles(M, N, num_sms)
         grid = (min(num_sms, -(-M // config["BLOCK_SIZE_M"]) * -(-N // config["BLOCK_SIZE_N"])),)
         matmul_kernel_persistent[grid](
             a, b, out, None, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),

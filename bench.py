@@ -578,7 +578,7 @@ def kernel_benchmark(args) -> dict:
             checked += ours.numel()
     results["differing_elements"] = differ
     print(f"\ntiled_linear against vLLM's tiles: {differ} of {checked:,} output elements differ "
-          f"(tiles {sorted({tuple(matmul_tiles(m, n, k, 132).values()) for m in (1, 32, 256, 8192) for n, k in shapes.values()})})")
+          f"(tiles {sorted({tuple(matmul_tiles(m, n, 132).values()) for m in (1, 32, 256, 8192) for n, _ in shapes.values()})})")
     if args.sweep:
         results["sweep"] = tile_sweep(shapes, weight)
     return results
