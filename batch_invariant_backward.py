@@ -285,6 +285,54 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return tiled_linear(x, weight) if x.is_cuda else linear_reference(x, weight)
 
 
+class Embedding(torch.autograd.Function):
+    """`F.embedding`, the row gather vLLM's embedding layer runs. Backward: a vocabulary row's gradient is the
+    sum of the output gradients at the positions holding its token. PyTorch's CUDA kernel for it
+    (`embedding_dense_backward`) rests on CUB algorithms that are not deterministic (pytorch/pytorch#101890):
+    in the offline demo's GRPO steps, repeats on the same input gave other last bits. So on CUDA,
+    `embedding_grad` sums each row in a fixed order; on the CPU, `index_add_`."""
+
+    @staticmethod
+    def forward(ctx, tokens, weight):
+        ctx.save_for_backward(tokens)
+        ctx.rows = weight.shape[0]
+        return F.embedding(tokens, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (tokens,) = ctx.saved_tensors
+        if grad_out.is_cuda:
+            return None, embedding_grad(grad_out, tokens, ctx.rows)
+        acc, dim = _acc(grad_out.dtype), grad_out.shape[-1]
+        grad = grad_out.new_zeros(ctx.rows, dim, dtype=acc)
+        grad.index_add_(0, tokens.reshape(-1), grad_out.reshape(-1, dim).to(acc))
+        return None, grad.to(grad_out.dtype)
+
+
+@triton.jit
+def _embedding_grad_kernel(grad_out, order, bounds, grad, D, BLOCK: tl.constexpr):
+    # One vocabulary row's block of BLOCK columns: the sum over the positions of its token, in their order.
+    row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(tl.load(bounds + row), tl.load(bounds + row + 1)):
+        acc += tl.load(grad_out + tl.load(order + i) * D + cols, mask=cols < D).to(tl.float32)
+    tl.store(grad + row * D + cols, acc.to(grad.dtype.element_ty), mask=cols < D)
+
+
+def embedding_grad(grad_out: torch.Tensor, tokens: torch.Tensor, rows: int) -> torch.Tensor:
+    """The embedding's (rows, D) weight gradient on CUDA, the same bits on every run: a stable sort lists each
+    token's positions in order, then a program per (vocabulary row, block of columns) sums them in fp32 and
+    rounds once (a row whose token is absent gets 0)."""
+    D = grad_out.shape[-1]
+    grad_out = grad_out.reshape(-1, D).contiguous()
+    sorted_tokens, order = torch.sort(tokens.reshape(-1), stable=True)
+    bounds = torch.searchsorted(sorted_tokens, torch.arange(rows + 1, device=tokens.device))
+    grad = grad_out.new_empty(rows, D)
+    block = min(1024, triton.next_power_of_2(D))
+    _embedding_grad_kernel[(rows, triton.cdiv(D, block))](grad_out, order, bounds, grad, D, BLOCK=block)
+    return grad
+
+
 class BatchInvariantLinear(torch.autograd.Function):
     """`tiled_linear`: vLLM's Triton persistent matmul (fp32 accumulation in a fixed order whatever the
     number of rows), the op behind every linear layer of vLLM in batch-invariant mode.
@@ -610,6 +658,7 @@ class LMHeadLogprobs(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Kernels:
+    embedding: Callable
     linear: Callable
     rms_norm: Callable
     silu_and_mul: Callable
@@ -620,6 +669,7 @@ class Kernels:
 
 # vLLM's kernels forward on CUDA (bitwise vLLM), references on the CPU; hand-written backwards.
 EXACT = Kernels(
+    embedding=Embedding.apply,
     linear=BatchInvariantLinear.apply,
     rms_norm=BatchInvariantRMSNorm.apply,
     silu_and_mul=SiluAndMul.apply,
@@ -630,6 +680,7 @@ EXACT = Kernels(
 
 # Plain PyTorch under ordinary autograd: the ground truth the tests compare EXACT against.
 REFERENCE = Kernels(
+    embedding=F.embedding,
     linear=linear_reference,
     rms_norm=rms_norm_reference,
     silu_and_mul=silu_and_mul_reference,
@@ -819,7 +870,7 @@ def trainer_trace(model, batch) -> dict:
         trace |= {(i, name): as_rows(out) for name, _, out in calls[layer.attention]}
         trace[i, "residual"], trace[i, second_norm] = as_rows(residual), as_rows(normed)
         trace |= {(i, name): as_rows(out) for name, _, out in calls[layer.feed_forward]}
-    (_, final_residual, final_norm), _ = calls[model]
+    _, (_, final_residual, final_norm), _ = calls[model]
     trace[None, "final_residual"], trace[None, "final_norm"] = as_rows(final_residual), as_rows(final_norm)
     head = model.output_weight  # a sharded model's is a DTensor: the whole of it, for one row
     head = head.full_tensor() if hasattr(head, "full_tensor") else head

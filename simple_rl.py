@@ -638,7 +638,7 @@ class TokenLogprobs(NamedTuple):
 class Qwen3(nn.Module):
     """Qwen3 with torchtitan's parameter names, in the layout vLLM serves (merged q/k/v and gate/up,
     `output` absent when tied to `tok_embeddings`)."""
-    KERNEL_CALLS = ("final_norm", "lm_head")
+    KERNEL_CALLS = ("embedding", "final_norm", "lm_head")
 
     def __init__(self, args, kernels: Kernels = EXACT, dtype: torch.dtype = torch.bfloat16,
                  activation_checkpointing: bool = False):
@@ -665,7 +665,7 @@ class Qwen3(nn.Module):
                                                             batch.targets, temperature, top_k, top_p))
 
     def hidden_states(self, tokens, positions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
-        h, residual = F.embedding(tokens, self.tok_embeddings.weight), None
+        h, residual = self.kernels.embedding(tokens, self.tok_embeddings.weight), None
         for layer in self.layers:
             inputs = (h, residual, positions, self.cos_sin_cache, cu_seqlens, max_seqlen)
             if self.activation_checkpointing and torch.is_grad_enabled():

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import batch_invariant_backward as bib
 
@@ -29,7 +30,10 @@ def cases():
     cache = torch.cat((angles.cos(), angles.sin()), dim=-1)  # (max positions, D/2 cos | D/2 sin)
     hidden, weight = torch.randn(T, 6, **f64), torch.randn(40, 6, **f64)
     top = (hidden @ weight.t()).argmax(-1)
+    tokens = torch.tensor([3, 0, 3, 8, 3, 0, 1, 3, 2, 5, 3, 0, 7])  # T of them, repeats included
     return {
+        "embedding": (lambda w: bib.Embedding.apply(tokens, w), lambda w: F.embedding(tokens, w),
+                      (torch.randn(9, 6, **f64),), ()),
         "linear": (bib.BatchInvariantLinear.apply, bib.linear_reference,
                    (torch.randn(T, 6, **f64), torch.randn(4, 6, **f64)), ()),
         "rms_norm": (bib.BatchInvariantRMSNorm.apply, bib.rms_norm_reference,
@@ -131,10 +135,11 @@ def test_tempered_logits_never_alias_the_logits():
 
 
 def test_triton_kernels_under_tritons_interpreter():
-    """Our three Triton kernels, which run on CUDA, run on the CPU by Triton's interpreter against float64
-    PyTorch, over rows longer than one block: SwiGLU's backward and lm_head's logprob gradient within one bf16
-    unit in the last place (the interpreter rounds to bf16 by truncation), the entropy of logprobs with a
-    top-k cut (-inf) within fp32 rounding, and NaN for a row holding a NaN."""
+    """Our four Triton kernels, which run on CUDA, run on the CPU by Triton's interpreter against float64
+    PyTorch, over rows longer than one block: SwiGLU's backward, lm_head's logprob gradient and the embedding's
+    gradient (a token at up to 120 positions, others at none) within one bf16 unit in the last place (the
+    interpreter rounds to bf16 by truncation), the entropy of logprobs with a top-k cut (-inf) within fp32
+    rounding, and NaN for a row holding a NaN."""
     check = """
 import torch, batch_invariant_backward as bib
 torch.manual_seed(0)
@@ -147,6 +152,13 @@ logits, targets, g = (3 * torch.randn(7, 5000)).bfloat16(), torch.randint(0, 500
 z = logits.double().requires_grad_()
 (torch.log_softmax(z / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1) * g.double()).sum().backward()
 torch.testing.assert_close(bib.logprob_grad(logits, targets, g, 0.7).double(), z.grad, rtol=2**-7, atol=1e-9)
+
+tokens = torch.cat([torch.full((120,), 4), torch.randint(0, 30, (200,))])[torch.randperm(320)]
+grad_out = torch.randn(320, 1500, dtype=torch.bfloat16)
+by_row = torch.zeros(40, 1500, dtype=torch.float64).index_add_(0, tokens, grad_out.double())
+grad = bib.embedding_grad(grad_out, tokens, 40)
+torch.testing.assert_close(grad.double(), by_row, rtol=2**-7, atol=1e-9)
+assert grad[30:].eq(0).all() and grad[4].ne(0).all()
 
 logprobs = torch.log_softmax(torch.randn(7, 5000).double(), -1)
 logprobs[:, 100:] = float("-inf")
