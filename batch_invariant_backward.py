@@ -4,8 +4,8 @@ vLLM's kernels compute forward passes only. Each `torch.autograd.Function` below
 the very kernel vLLM runs (so the trainer's forward bits are vLLM's bits) and, on the CPU, a
 plain-PyTorch reference of the same math (so the whole model also trains without a GPU). Every
 backward is written in plain PyTorch (cuBLAS and PyTorch's fused flash-attention backward on the
-GPU), or for SwiGLU and lm_head's logprobs in a small Triton kernel of ours on the GPU (as is the
-entropy, in the forward): gradients must be correct and deterministic, not batch-invariant.
+GPU), or for SwiGLU, lm_head's logprobs and the embedding in a small Triton kernel of ours on the GPU (as
+is the entropy, in the forward): gradients must be correct and deterministic, not batch-invariant.
 
 A model picks its kernels explicitly: `EXACT` (these Functions) or `REFERENCE` (the plain-PyTorch
 functions under ordinary autograd, the ground truth in tests).
@@ -326,7 +326,8 @@ def embedding_grad(grad_out: torch.Tensor, tokens: torch.Tensor, rows: int) -> t
     D = grad_out.shape[-1]
     grad_out = grad_out.reshape(-1, D).contiguous()
     sorted_tokens, order = torch.sort(tokens.reshape(-1), stable=True)
-    bounds = torch.searchsorted(sorted_tokens, torch.arange(rows + 1, device=tokens.device))
+    starts = torch.arange(rows + 1, dtype=tokens.dtype, device=tokens.device)
+    bounds = torch.searchsorted(sorted_tokens, starts)  # row r's positions: order[bounds[r]:bounds[r + 1]]
     grad = grad_out.new_empty(rows, D)
     block = min(1024, triton.next_power_of_2(D))
     _embedding_grad_kernel[(rows, triton.cdiv(D, block))](grad_out, order, bounds, grad, D, BLOCK=block)

@@ -159,6 +159,7 @@ by_row = torch.zeros(40, 1500, dtype=torch.float64).index_add_(0, tokens, grad_o
 grad = bib.embedding_grad(grad_out, tokens, 40)
 torch.testing.assert_close(grad.double(), by_row, rtol=2**-7, atol=1e-9)
 assert grad[30:].eq(0).all() and grad[4].ne(0).all()
+assert torch.equal(bib.embedding_grad(grad_out, tokens.int(), 40), grad)  # int32 tokens: the same
 
 logprobs = torch.log_softmax(torch.randn(7, 5000).double(), -1)
 logprobs[:, 100:] = float("-inf")
