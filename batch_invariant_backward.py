@@ -288,8 +288,8 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class Embedding(torch.autograd.Function):
     """`F.embedding`, the row gather vLLM's embedding layer runs. Backward: a vocabulary row's gradient is the
     sum of the output gradients at the positions holding its token. PyTorch's CUDA kernel for it
-    (`embedding_dense_backward`) rests on CUB algorithms that are not deterministic (pytorch/pytorch#101890):
-    in the offline demo's GRPO steps, repeats on the same input gave other last bits. So on CUDA,
+    (`embedding_dense_backward`) rests on CUB algorithms that are not deterministic (pytorch/pytorch#101890,
+    #102628): in the offline demo's GRPO steps, repeats on the same input gave other last bits. So on CUDA,
     `embedding_grad` sums each row in a fixed order; on the CPU, `index_add_`."""
 
     @staticmethod

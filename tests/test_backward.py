@@ -137,7 +137,7 @@ def test_tempered_logits_never_alias_the_logits():
 def test_triton_kernels_under_tritons_interpreter():
     """Our four Triton kernels, which run on CUDA, run on the CPU by Triton's interpreter against float64
     PyTorch, over rows longer than one block: SwiGLU's backward, lm_head's logprob gradient and the embedding's
-    gradient (a token at up to 120 positions, others at none) within one bf16 unit in the last place (the
+    gradient (a token at over 120 positions, others at none) within one bf16 unit in the last place (the
     interpreter rounds to bf16 by truncation), the entropy of logprobs with a top-k cut (-inf) within fp32
     rounding, and NaN for a row holding a NaN."""
     check = """
