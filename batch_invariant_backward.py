@@ -326,8 +326,8 @@ def embedding_grad(grad_out: torch.Tensor, tokens: torch.Tensor, rows: int) -> t
     D = grad_out.shape[-1]
     grad_out = grad_out.reshape(-1, D).contiguous()
     sorted_tokens, order = torch.sort(tokens.reshape(-1), stable=True)
-    starts = torch.arange(rows + 1, dtype=tokens.dtype, device=tokens.device)
-    bounds = torch.searchsorted(sorted_tokens, starts)  # row r's positions: order[bounds[r]:bounds[r + 1]]
+    ids = torch.arange(rows + 1, dtype=tokens.dtype, device=tokens.device)
+    bounds = torch.searchsorted(sorted_tokens, ids)  # row r's positions: order[bounds[r]:bounds[r + 1]]
     grad = grad_out.new_empty(rows, D)
     block = min(1024, triton.next_power_of_2(D))
     _embedding_grad_kernel[(rows, triton.cdiv(D, block))](grad_out, order, bounds, grad, D, BLOCK=block)
