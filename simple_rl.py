@@ -196,20 +196,14 @@ def parse_command_line(argv: list[str] | None = None) -> Args:
     return args
 
 
-def same_value(a, b) -> bool:
-    """Flag values compared as a resume compares them: paths after resolving them."""
-    if isinstance(a, str) and isinstance(b, str) and Path(a).exists() and Path(b).exists():
-        return Path(a).resolve() == Path(b).resolve()
-    return a == b
-
-
 def check_resume(args: Args) -> tuple[Args, int]:
     """The args of a resumed run (its name kept) and its step; names every flag contradicting the run."""
     saved, step = saved_run(Path(args.run.resume))
     values = [(name, getattr(getattr(args, group), name), getattr(getattr(saved, group), name))
               for group, names in RUN_DEFINING.items() for name in names]
-    clashes = [f"{flag(name)} {given!r} (the run has {had!r})" for name, given, had in values
-               if not same_value(given, had)]
+    clashes = [f"{flag(name)} {given!r} (the run has {had!r})" for name, given, had in values if given != had
+               and not (isinstance(given, str) and isinstance(had, str) and os.path.exists(given)
+                        and os.path.exists(had) and os.path.samefile(given, had))]  # a path, spelt otherwise
     if clashes:
         raise UsageError(f"--resume {args.run.resume}: {', '.join(clashes)} contradict the run it continues; "
                          "leave them out to continue it as it was")
@@ -363,12 +357,6 @@ class World:
             dist.barrier()
 
 
-def seed_everything(seed: int) -> None:
-    # Nothing in the loop draws from the global generators: seeded (and checkpointed) for what one adds.
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def rollout_seeds(seed: int, step: int, n: int) -> list[int]:
     """One sampling seed per request, unique over the run: completions depend on nothing else."""
     return [seed * 1_000_000_000 + step * n + j for j in range(n)]
@@ -503,20 +491,15 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], devic
                        completion_lens=[len(c) for c in completions])
 
 
-def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+def packed_micro_batches(prompts, completions, token_budget: int, device, world: World):
+    """(indices, PackedBatch) of <= `token_budget` tokens in sample order, as many on every rank (sharded
+    forwards meet)."""
     groups, size = [], 0
-    for i, n in enumerate(lengths):
+    for i, n in enumerate(len(p) + len(c) for p, c in zip(prompts, completions)):
         if not groups or size + n > token_budget:
-            groups.append([])
-            size = 0
+            groups, size = [*groups, []], 0
         groups[-1].append(i)
         size += n
-    return groups
-
-
-def packed_micro_batches(prompts, completions, token_budget: int, device, world: World):
-    """(indices, PackedBatch) of <= `token_budget` tokens, as many on every rank (sharded forwards meet)."""
-    groups = micro_batches([len(p) + len(c) for p, c in zip(prompts, completions)], token_budget)
     count = world.max(len(groups))
     while len(groups) < count:  # halve the group of most samples (the sums stay the same)
         i = max(range(len(groups)), key=lambda j: len(groups[j]))
@@ -906,12 +889,6 @@ def lr_at(step: int, cfg: Optimizer) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def layer_of(name: str) -> str:
-    if name.startswith("layers."):
-        return f"layer_{int(name.split('.')[1]):02d}"
-    return {"tok_embeddings": "embeddings", "norm": "final_norm", "output": "lm_head"}[name.split(".")[0]]
-
-
 class MasterWeights:
     """AdamW on fp32 masters of the bf16 parameters; their bf16 rounding is what trainer and vLLM run."""
 
@@ -944,7 +921,9 @@ class MasterWeights:
         squares = {}  # per layer: (squared norm of the change, squared norm of the weights), this rank's
         for master, (name, p) in zip(self.masters, self.named):
             new, old = local_part(master).to(p.dtype).float(), local_part(p).float()
-            layer = layer_of(name)
+            parts = name.split(".")
+            layer = (f"layer_{int(parts[1]):02d}" if parts[0] == "layers" else
+                     {"tok_embeddings": "embeddings", "norm": "final_norm", "output": "lm_head"}[parts[0]])
             squares[layer] = squares.get(layer, 0) + torch.stack([(new - old).pow(2).sum(), old.pow(2).sum()])
             p.copy_(master.to(p.dtype))
         totals = world.sum(torch.stack(list(squares.values()))).sqrt().tolist()
@@ -954,7 +933,6 @@ class MasterWeights:
 @dataclass
 class Rollouts:
     """G samples of each of P prompts, sample j of prompt i at index i * G + j."""
-
     prompts: list[list[int]]
     completions: list[list[int]]
     vllm_logprobs: list[torch.Tensor]  # (len(completion),) fp32 each
@@ -1049,14 +1027,12 @@ class ParityError(Exception):
 
 
 Mismatch = NamedTuple("Mismatch", [("message", str), ("sample", int), ("token", int)])
+SAMPLER_PROBABILITY_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 
 
 def fp32_hex(x: float) -> str:
     """The fp32 bit pattern: two logprobs one ulp apart print differently (bf16 would hide it)."""
     return f"0x{int(torch.tensor(x, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF:08x}"
-
-
-SAMPLER_PROBABILITY_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 
 
 def mismatch_by_probability(v: torch.Tensor, t: torch.Tensor) -> dict:
@@ -1288,7 +1264,8 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, inputs, a
 
 def restore_training_state(checkpoint_dir: Path, optimizer: MasterWeights, ref_model, args: Args,
                            world: World) -> dict:
-    """Into this run's shards whatever the number of ranks that saved it; returns the parity record."""
+    """Into this run's shards whatever the number of ranks that saved it; returns the parity record, and
+    warns if another stack (torch, vLLM, GPU...) wrote it."""
     import torch.distributed.checkpoint as dcp
     state = training_state(optimizer, ref_model)
     dcp.load(state, checkpoint_id=checkpoint_dir / TRAINING_STATE, no_dist=world.size == 1)
@@ -1298,15 +1275,13 @@ def restore_training_state(checkpoint_dir: Path, optimizer: MasterWeights, ref_m
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda"])
-    return json.loads((checkpoint_dir / TRAINING_STATE / "parity.json").read_text())
-
-
-def warn_if_another_stack(saved: dict, checkpoint_dir: Path) -> None:
+    saved = json.loads((checkpoint_dir / TRAINING_STATE / "parity.json").read_text())
     changed = [f"{key} {saved['stack'].get(key)} -> {now}" for key, now in stack_versions().items()
                if saved["stack"].get(key) != now]
-    if changed:
+    if changed and world.is_main:
         print(f"warning: --resume {checkpoint_dir} was saved on another stack ({', '.join(changed)}): the "
               "run continues bit for bit only on the same one")
+    return saved
 
 
 # ===== Logging: the terminal and TensorBoard =====
@@ -1492,8 +1467,6 @@ def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: li
     if inputs.start_step:
         saved = restore_training_state(inputs.model_dir, optimizer, ref_model, args, world)
         totals = {key: saved[key] for key in totals}
-        if world.is_main:
-            warn_if_another_stack(saved, inputs.model_dir)
     if run.eval_every and inputs.start_step % run.eval_every == 0:  # before training, or a resume when due
         log_eval(inputs.start_step)
     steps = range(inputs.start_step, o.steps)
@@ -1558,7 +1531,9 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine) -> Path:
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
         world = init_distributed(device)
-        seed_everything(args.data.seed)
+        # Nothing in the loop draws from the global generators: seeded (and checkpointed) for what one adds.
+        random.seed(args.data.seed)
+        torch.manual_seed(args.data.seed)
         # torchrun: an engine a rank (vLLM's external launcher, no vLLM data parallelism) samples alone.
         parallel = {"distributed_executor_backend": "external_launcher"} if world.size > 1 else {}
         engine = engine_class(inputs.model_dir, args.engine.vllm_gpu_memory,  # first: claims an empty GPU

@@ -140,8 +140,11 @@ def test_k3_kl_by_hand():
 
 
 def test_micro_batches_respect_the_budget_and_keep_order():
-    groups = simple_rl.micro_batches([5, 5, 5, 12, 1, 1], 10)
-    assert groups == [[0, 1], [2], [3], [4, 5]]
+    lengths = [5, 5, 5, 12, 1, 1]  # prompt + completion; 12 is over the budget: a micro-batch of its own
+    prompts, completions = [[7] * (n - 1) for n in lengths], [[8] for _ in lengths]
+    batches = list(simple_rl.packed_micro_batches(prompts, completions, 10, "cpu", simple_rl.World()))
+    assert [idx for idx, _ in batches] == [[0, 1], [2], [3], [4, 5]]
+    assert [len(batch.tokens) for _, batch in batches] == [10, 5, 12, 2]
 
 
 def test_learning_rate_schedule():
