@@ -138,10 +138,9 @@ def exact_step_runner(ckpt: Path, args):
             _, trainer_logprobs = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, config, world)
             parity, _, first_mismatch = simple_rl.parity_report(logprobs, trainer_logprobs, completions, 0, world)
             assert first_mismatch is None, first_mismatch
-            optimizer.update(simple_rl.lr_at(i, config.optimizer), config.optimizer.max_grad_norm)
-            deltas = optimizer.write_back(world)
+            _, changes = optimizer.step(simple_rl.lr_at(i, config.optimizer), config.optimizer.max_grad_norm)
         with simple_rl.phase("push", times, memory):
-            engine.sync_weights(model, world, changed=any(magnitude for magnitude, _ in deltas.values()))
+            engine.sync_weights(model, world, changed=any(float(c[0]) for c in changes.values()))
         return times, memory | {
             "mismatched_tokens": parity["mismatched_tokens"],
             "sampled_tokens": sum(len(c) for c in completions),
@@ -352,27 +351,33 @@ def step_benchmark(args) -> dict:
 # --- simple_rl.py on 1 GPU against torchrun on N ------------------------------------------------------
 
 
-def script_run(gpus: int, model: Path, workdir: Path, args) -> dict:
-    """simple_rl.py on the first `gpus` visible GPUs (torchrun for more than one): its per-step phase
-    times and mismatch counts from TensorBoard, and each GPU's peak memory."""
+def script_run(gpus: int, model: Path, workdir: Path, args, flags=(), name: str | None = None) -> dict:
+    """simple_rl.py on the first `gpus` visible GPUs (torchrun for more than one), with the step benchmark's
+    flags and `flags`: its per-step phase times and mismatch counts from TensorBoard, each GPU's peak memory,
+    the process's peak host memory (its largest process's, under torchrun) and its planned GPU memory."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    name = f"{gpus}_gpus"
+    name = name or f"{gpus}_gpus"
     prompts = args.prompts * (gpus if args.weak else 1)
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(gpus)] if gpus > 1 else []
     flags = ["--model", str(model), "--dataset", str(args.gsm8k.resolve()), "--eval-every", "0",
-             "--steps", str(1 + args.iters), "--run-name", name, "--output-dir", str(workdir / "checkpoints"),
+             "--steps", str(1 + args.iters), "--run-name", name, "--save-every", "-1",
              "--prompts-per-step", str(prompts), "--samples-per-prompt", str(args.samples),
              "--max-new-tokens", str(args.max_new_tokens), "--vllm-gpu-memory", str(args.vllm_gpu_memory),
-             "--max-tokens-per-microbatch", str(args.max_tokens_per_microbatch)]
+             "--max-tokens-per-microbatch", str(args.max_tokens_per_microbatch), *flags]
     flags += ["--activation-checkpointing"] if args.activation_checkpointing else []
     gpu_ids = visible_gpus()[:gpus]
     env = os.environ | {"VLLM_BATCH_INVARIANT": "1", "CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)}
     peak = {}
-    with peak_gpu_memory(peak, gpu_ids):
-        subprocess.run([sys.executable, *launcher, str(HERE / "simple_rl.py"), *flags], cwd=workdir, env=env,
-                       check=True)
-    shutil.rmtree(workdir / "checkpoints")  # the run's final checkpoint: disk, not part of a step
+    with peak_gpu_memory(peak, gpu_ids), tempfile.TemporaryFile("w+") as log:
+        child = subprocess.Popen([sys.executable, *launcher, str(HERE / "simple_rl.py"), *flags], cwd=workdir,
+                                 env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        _, status, usage = os.wait4(child.pid, 0)  # the child's own peak resident memory (ru_maxrss, KiB)
+        log.seek(0)
+        output = log.read()
+    print(output[-3000:])
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"simple_rl.py {' '.join(flags)} failed")
     events = EventAccumulator(str(workdir / "runs" / name)).Reload()
     tags = [f"time/{p}" for p in PHASES] + ["parity/mismatched_tokens", "reward/completion_tokens_mean"]
     series = {tag: [e.value for e in events.Scalars(tag)][1:] for tag in tags}  # the first step warms up
@@ -381,7 +386,36 @@ def script_run(gpus: int, model: Path, workdir: Path, args) -> dict:
     generated = statistics.mean(series["reward/completion_tokens_mean"]) * prompts * args.samples
     out["tokens_per_s"] = generated / out["step"]
     out["mismatched_tokens"] = [int(n) for n in series["parity/mismatched_tokens"]]
+    out["host_peak_gib"] = usage.ru_maxrss / 2**20
+    planned = [line for line in output.splitlines() if line.startswith("GPU memory planned")]
+    out["planned"] = planned[0] if planned else None
     return out | peak
+
+
+def fits_benchmark(args) -> dict:
+    """simple_rl.py on one GPU for each of --fits' configurations ("SHAPE [FLAG ...]"): what fits where, with
+    its step time, peak GPU and host memory, and the plan it printed."""
+    if args.gsm8k is None:
+        raise SystemExit("--fits needs --gsm8k: the GSM8K train jsonl (the questions and the tokenizer's text)")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for i, config in enumerate(args.fits):
+            shape, *flags = config.split()
+            model = workdir / f"model_{shape}"
+            if not model.exists():  # written by another process: this one holds no GPU memory
+                subprocess.run([sys.executable, __file__, "--shape", shape, "--write-model", str(model),
+                                "--gsm8k", str(args.gsm8k)], check=True)
+            results[config] = script_run(1, model, workdir, args, flags, name=f"fits_{i}")
+            if all(c.split()[0] != shape for c in args.fits[i + 1:]):  # disk: an 8B model is 16 GB
+                shutil.rmtree(model)
+    print(f"\nsimple_rl.py on one {torch.cuda.get_device_name()}, {args.prompts} prompts x {args.samples} samples x "
+          f"{args.max_new_tokens} new tokens; means of {args.iters} steps after the first")
+    print(f"  {'configuration':<58}{'step':>8}{'train':>8}{'GPU peak':>10}{'host peak':>11}  mismatched / plan")
+    for config, r in results.items():
+        print(f"  {config:<58}{r['step']:>7.2f}s{r['train']:>7.2f}s{r['peak_gib'][0]:>6.1f} GiB"
+              f"{r['host_peak_gib']:>7.1f} GiB  {sum(r['mismatched_tokens'])} / {r['planned']}")
+    return results
 
 
 def scaling_benchmark(args) -> dict:
@@ -746,6 +780,8 @@ def main():
                          f"tiles (default: all of {', '.join(DECODE_SIDES)})")
     parser.add_argument("--gpus", type=int, help="the scaling benchmark: simple_rl.py on 1 GPU, then on this many")
     parser.add_argument("--weak", action="store_true", help="with --gpus N: N x --prompts on the N GPUs")
+    parser.add_argument("--fits", nargs="+", metavar="'SHAPE [FLAG ...]'",
+                        help="simple_rl.py on one GPU in each configuration: step time, peak GPU and host memory")
     parser.add_argument("--write-model", type=Path, metavar="DIR")
     parser.add_argument("--gsm8k", type=Path, help="GSM8K train jsonl for --write-model's tokenizer (and --gpus)")
     args = parser.parse_args()
@@ -764,6 +800,8 @@ def main():
         results = decode_benchmark(args)
     elif args.gpus:
         results = scaling_benchmark(args)
+    elif args.fits:
+        results = fits_benchmark(args)
     elif args.trainer_only:
         results = trainer_benchmark(args)
     else:

@@ -126,6 +126,8 @@ class Engine:
     max_tokens_per_microbatch: int = 8192
     # recompute each layer in the backward from its input: a fraction of the activation memory, ~1/3 slower
     activation_checkpointing: bool = False
+    # keep the fp32 masters and AdamW's moments (12 bytes a parameter) in host memory; AdamW steps on the CPU
+    offload_optimizer: bool = False
 
 
 @dataclass
@@ -135,7 +137,9 @@ class Run:
     eval_samples: int = 256  # test questions per evaluation
     run_name: str | None = None  # names runs/<run_name> and <output_dir>/<run_name>; default: a timestamp
     output_dir: str = "checkpoints"  # where checkpoints are written
-    save_every: int = 0  # checkpoint every N steps, and at the end: Hugging Face weights + state to resume
+    # checkpoint every N steps and after the last (HF weights + the state to resume); 0: after the last only;
+    # -1: never
+    save_every: int = 0
     keep_last: int = 3  # checkpoints of the run kept on disk, the newest; 0 keeps all
     # a checkpoint (<output_dir>/<run_name>/step_N) to continue its run from, with its saved flags; flags
     # given too may change what a resume may (learning rate, steps, logging, checkpoints). Bit for bit on
@@ -234,7 +238,7 @@ def check_args(args: Args, world_size: int) -> Args:
     bounds = {"at least 1": ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_tokens",
                              "sft_batch_size", "eval_samples"),
               ">= 0": ("top_k", "warmup_steps", "weight_decay", "kl_coef", "entropy_coef", "sft_steps",
-                       "parity_report_tokens", "eval_every", "save_every", "keep_last"),
+                       "parity_report_tokens", "eval_every", "keep_last"),
               "> 0": ("temperature", "lr", "sft_lr", "max_grad_norm", "clip_eps")}
     holds = {"at least 1": lambda x: x >= 1, ">= 0": lambda x: x >= 0, "> 0": lambda x: x > 0}
     checks = [(holds[rule](values[name]), f"{flag(name)} must be {rule}") for rule, names in bounds.items()
@@ -249,6 +253,7 @@ def check_args(args: Args, world_size: int) -> Args:
         (lo.kl_coef == 0 or (s.top_k == 0 and s.top_p == 1), "--kl-coef must be 0 with --top-k or --top-p: "
          "a sampled token can lie outside the reference policy's kept set, where the KL is infinite"),
         (0 <= o.min_lr_ratio <= 1, "--min-lr-ratio must be between 0 and 1"),
+        (r.save_every >= -1, "--save-every must be >= -1 (0: a checkpoint after the last step only; -1: none)"),
         (0 <= lo.correction_min < lo.correction_max, "need 0 <= --correction-min < --correction-max"),
         (e.max_tokens_per_microbatch >= d.max_prompt_tokens + s.max_new_tokens, "--max-tokens-per-microbatch "
          "must hold one whole sequence (>= --max-prompt-tokens + --max-new-tokens)"),
@@ -307,7 +312,7 @@ import torch.utils.checkpoint  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
-    CUDA_GRAPHS, EXACT, Kernels, _num_sms, check_bitwise_head_dim, first_divergence, install_exact_kernels,
+    CUDA_GRAPHS, EXACT, Kernels, LMHeadLogprobs, _num_sms, check_bitwise_head_dim, first_divergence, install_exact_kernels,
     matmul_tiles, qwen3_gemms, rope_cos_sin_cache, trainer_trace, vllm_trace)
 
 
@@ -668,6 +673,17 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # this rank's shard of a sharded tensor
 
 
+def shard_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor sharded as `param` is (an FSDP2 DTensor), as a DTensor DCP can save and
+    reshard, without a copy: it loads into `local`, on the host too (FSDP2 builds its offloaded shards so)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    if not isinstance(param, DTensor):
+        return local
+    spec = DTensorSpec(param.device_mesh, param.placements, TensorMeta(param.shape, param.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
 def from_hf_state_dict(hf_state: dict, args) -> dict:
     from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
     state = Qwen3StateDictAdapter(args, None).from_hf(dict(hf_state))
@@ -889,45 +905,119 @@ def lr_at(step: int, cfg: Optimizer) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class MasterWeights:
-    """AdamW on fp32 masters of the bf16 parameters; their bf16 rounding is what trainer and vLLM run."""
+def to_host(t: torch.Tensor, wait: bool = True) -> torch.Tensor:
+    """Into pinned memory, reused from copy to copy (fresh pageable memory copied at 1.3 GB/s on an H100).
+    wait=False: the copy is queued on the stream; synchronize before reading it."""
+    if t.is_cuda:
+        t = t.to("cpu", non_blocking=True)  # non_blocking: into PyTorch's cache of pinned host memory
+        if wait:
+            torch.cuda.current_stream().synchronize()
+    return t
 
-    def __init__(self, model: Qwen3, lr: float, weight_decay: float):
-        self.named = list(model.named_parameters())
-        self.masters = [p.detach().float().clone() for _, p in self.named]
-        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+
+def to_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A host tensor onto `like`'s GPU, through pinned memory (queued: a pageable copy would block)."""
+    if t.device == like.device:
+        return t
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return staged.to(like.device, non_blocking=True)
+
+
+class MasterWeights:
+    """AdamW on fp32 masters of this rank's bf16 parameters (its FSDP2 shards); their bf16 rounding is what
+    the trainer and vLLM run. A step's gradients are summed in fp32 on each parameter (`main_grad`, as in
+    Megatron-LM), each bf16 gradient as soon as autograd has it: a micro-batch never holds all of them.
+    With `offload`, the masters and AdamW's moments (12 bytes a parameter) live in host memory and AdamW
+    steps on the CPU, one parameter at a time: only its gradient (4 bytes a parameter) and its new bf16
+    weight (2) cross PCIe. The CPU's arithmetic rounds otherwise than the GPU's: another run, as exact."""
+
+    def __init__(self, model: Qwen3, lr: float, weight_decay: float, offload: bool = False):
+        self.named, self.offload = list(model.named_parameters()), offload
+        if torch.cuda.is_available():  # the state lives as long as the run: in segments of its own, so that
+            torch.cuda.empty_cache()  # what training frees between steps can go back to vLLM
+        self.masters = [local_part(p).detach().to("cpu" if offload else p.device, torch.float32, copy=True)
+                        for _, p in self.named]
+        # fused on the CPU: one pass over a parameter's state, not one per operation
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay,
+                                           fused=True if offload else None)
+        for master in self.masters:  # AdamW's state, made now as its first step would make it
+            self.optimizer.state[master] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master),
+                                            "exp_avg_sq": torch.zeros_like(master)}
+        for _, p in self.named:
+            if not hasattr(p, "main_grad"):  # once per parameter, whichever optimizer comes first
+                p.main_grad = None
+                if not hasattr(p, "to_local"):  # FSDP2 sets its shards' gradients on its own stream
+                    p.register_post_accumulate_grad_hook(lambda p: MasterWeights.fold(p))
+
+    @staticmethod
+    @torch.no_grad()
+    def fold(p: torch.Tensor) -> None:
+        """Add a parameter's bf16 gradient into its fp32 sum, and free it."""
+        grad = local_part(p.grad)
+        p.main_grad = grad.float() if p.main_grad is None else p.main_grad.add_(grad)
+        p.grad = None
 
     def accumulate_grads(self) -> None:
-        """Move a micro-batch's bf16 gradients into fp32 sums, so accumulation loses nothing."""
-        for master, (_, p) in zip(self.masters, self.named):
+        """After a micro-batch's backward: the gradients FSDP2 reduce-scattered into the sums."""
+        for _, p in self.named:
             if p.grad is not None:
-                master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
-                p.grad = None
+                self.fold(p)
 
     @torch.no_grad()
-    def update(self, lr: float, max_grad_norm: float) -> float:
-        """Clip the gradients by their norm over all ranks and step AdamW. Returns the pre-clip norm."""
-        grad_norm = gathered(torch.nn.utils.get_total_norm([master.grad for master in self.masters]))
-        torch.nn.utils.clip_grads_with_norm_(self.masters, max_grad_norm, grad_norm)
+    def step(self, lr: float, max_grad_norm: float, world: World = World()) -> tuple[float, dict]:
+        """Clip the gradients by their norm over all ranks, step AdamW and round the masters into the bf16
+        weights. Returns the pre-clip norm and, per parameter, the squared L2 norms of its change and of its
+        old value (this rank's part: see `weight_deltas`)."""
+        grads = [p.main_grad for _, p in self.named]
+        for _, p in self.named:
+            p.main_grad = None
+        norm = torch.nn.utils.get_total_norm(grads)
+        if world.size > 1:  # each rank's norm is of its shards
+            norm = world.sum(norm.pow(2)).sqrt()
+        scale = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)  # as clip_grads_with_norm_ computes it
+        for grad in grads:
+            grad.mul_(scale)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)  # the fp32 gradients free their memory until next step
-        return float(grad_norm)
+        if self.offload:
+            masters = self.stepped_on_host(grads)
+        else:
+            for master, grad in zip(self.masters, grads):
+                master.grad = grad
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)  # the fp32 gradients free their memory until next step
+            masters = iter(self.masters)
+        del grads
+        changes = {}
+        for (name, p), master in zip(self.named, masters):
+            new, old = to_device(master.to(p.dtype), p), local_part(p)
+            changes[name] = torch.stack([(new.float() - old.float()).pow(2).sum(), old.float().pow(2).sum()])
+            old.copy_(new)
+        return float(norm), changes
 
-    @torch.no_grad()
-    def write_back(self, world: World) -> dict:
-        """Round the masters into the bf16 weights. Returns per layer: (L2 norm of the change, relative)."""
-        squares = {}  # per layer: (squared norm of the change, squared norm of the weights), this rank's
-        for master, (name, p) in zip(self.masters, self.named):
-            new, old = local_part(master).to(p.dtype).float(), local_part(p).float()
-            parts = name.split(".")
-            layer = (f"layer_{int(parts[1]):02d}" if parts[0] == "layers" else
-                     {"tok_embeddings": "embeddings", "norm": "final_norm", "output": "lm_head"}[parts[0]])
-            squares[layer] = squares.get(layer, 0) + torch.stack([(new - old).pow(2).sum(), old.pow(2).sum()])
-            p.copy_(master.to(p.dtype))
-        totals = world.sum(torch.stack(list(squares.values()))).sqrt().tolist()
-        return {layer: (change, change / size) for layer, (change, size) in zip(squares, totals)}
+    def stepped_on_host(self, grads: list[torch.Tensor]):
+        """Offload: each master after its AdamW step on the CPU; the next gradient is copied down meanwhile."""
+        pending = to_host(grads[0], wait=False)
+        for i, master in enumerate(self.masters):
+            if pending.is_pinned():
+                torch.cuda.current_stream().synchronize()  # gradient i has arrived
+            master.grad, pending = pending, to_host(grads[i + 1], wait=False) if i + 1 < len(grads) else None
+            grads[i] = None
+            self.optimizer.step()  # only this master has a gradient
+            master.grad = None
+            yield master
+
+
+def weight_deltas(changes: dict, world: World = World()) -> dict:
+    """Per layer, over all ranks: the L2 norm of a step's weight change, and that relative to the weights."""
+    squares = {}
+    for name, square in changes.items():
+        parts = name.split(".")
+        layer = (f"layer_{int(parts[1]):02d}" if parts[0] == "layers" else
+                 {"tok_embeddings": "embeddings", "norm": "final_norm", "output": "lm_head"}[parts[0]])
+        squares[layer] = squares.get(layer, 0) + square
+    totals = world.sum(torch.stack(list(squares.values()))).sqrt().tolist()
+    return {layer: (change, change / size) for layer, (change, size) in zip(squares, totals)}
 
 
 @dataclass
@@ -1016,8 +1106,7 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
         loss.backward()
         optimizer.accumulate_grads()
         total += float(loss.detach())
-    optimizer.update(args.warm_start.sft_lr, args.optimizer.max_grad_norm)
-    optimizer.write_back(world)
+    optimizer.step(args.warm_start.sft_lr, args.optimizer.max_grad_norm, world)
     return float(world.sum(torch.tensor(total, dtype=torch.float64)))
 
 
@@ -1154,14 +1243,6 @@ def atomic_directory(out_dir: Path, world: World = World()):
         tmp.rename(out_dir)
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """Into pinned memory, reused from save to save (fresh pageable memory copied at 1.3 GB/s on an H100)."""
-    if t.is_cuda:
-        t = t.to("cpu", non_blocking=True)  # non_blocking: into PyTorch's cache of pinned host memory
-        torch.cuda.current_stream().synchronize()
-    return t
-
-
 def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path, world: World) -> None:
     """The weights stream through rank 0 one gathered tensor at a time: no second copy is ever held."""
     with torch.device("meta"):
@@ -1193,15 +1274,13 @@ def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path, world: 
 
 
 def training_state(optimizer: MasterWeights, ref_model) -> dict:
-    """What --resume needs beyond the weights, for DCP; AdamW's state is made as a first step makes it."""
+    """What --resume needs beyond the weights, for DCP."""
     adam = optimizer.optimizer.state
-    for master in optimizer.masters:
-        adam[master] = adam[master] or {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master),
-                                        "exp_avg_sq": torch.zeros_like(master)}
-    names = [name for name, _ in optimizer.named]
+    named = [(name, p, master) for (name, p), master in zip(optimizer.named, optimizer.masters)]
     rng = {"python": torch.tensor(random.getstate()[1]), "torch": torch.get_rng_state()}
-    state = {"masters": dict(zip(names, optimizer.masters)),
-             "adam": {name: adam[master] for name, master in zip(names, optimizer.masters)},
+    state = {"masters": {name: shard_like(master, p) for name, p, master in named},
+             "adam": {name: {key: shard_like(t, p) if t.dim() else t for key, t in adam[master].items()}
+                      for name, p, master in named},
              "rng": rng | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
     if ref_model is not None:
         state["reference"] = dict(ref_model.named_parameters())
@@ -1380,6 +1459,149 @@ def warn_if_short_of_disk(args: Args, model_args) -> None:
               f"{need / 2**30:.1f} GiB")
 
 
+# ===== Memory: what each GPU holds, planned before anything loads =====
+GiB = 2**30
+# Besides the tensors counted below (measured on an H100, tests/test_gpu_memory.py): the CUDA context with its
+# kernels' workspaces; what a sleeping engine keeps (its CUDA graphs' pool, sampler buffers); what vLLM needs
+# to start besides its weights and a sequence's KV cache (activations while it profiles, graphs); a process's
+# host memory besides an offloaded optimizer (torch, vLLM, pinned staging).
+CUDA_CONTEXT_BYTES = 0.75 * GiB
+VLLM_ASLEEP_BYTES = 1.0 * GiB
+VLLM_SAMPLER_BYTES = 1.0 * GiB  # outside vLLM's share: its sampler's temporaries over the vocabulary
+VLLM_WORKING_BYTES = 3.0 * GiB
+HOST_BYTES_PER_PROCESS = 8.0 * GiB
+USABLE = 0.92  # of the GPU's memory: the rest goes to the caching allocator's fragmentation
+
+
+def parameter_counts(model_args) -> tuple[int, int]:
+    """(parameters in all, in one transformer block)."""
+    with torch.device("meta"):
+        model = Qwen3(model_args)
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.layers[0].parameters())
+
+
+def block_bytes_per_token(a) -> int:
+    """What a transformer block's autograd Functions keep for the backward, per token: both norms' inputs and
+    outputs (4 dim), q/k/v, rotated q/k and attention's output (3 (q + kv)), SwiGLU's input and output
+    (3 hidden_dim), all bf16; and attention's log-sum-exp, fp32 a head."""
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    return 2 * (4 * a.dim + 3 * (q + kv) + 3 * a.hidden_dim) + 4 * a.n_heads
+
+
+def kept_bytes(model_args, tokens: int, completion_tokens: int) -> int:
+    """What the trainer keeps for the backward of a micro-batch without checkpointing: the blocks'; per token
+    the ids and positions (int64) and the final norm's input; per completion token lm_head's row, its bf16
+    logits, the entropy, the target and the row's index."""
+    a = model_args
+    return (tokens * (a.n_layers * block_bytes_per_token(a) + 16 + 2 * a.dim)
+            + completion_tokens * (2 * a.dim + 2 * a.vocab_size + 4 + 8 + 8))
+
+
+def micro_batch_bytes(model_args, tokens: int, checkpointing: bool, gradients: float) -> float:
+    """Peak memory of a micro-batch's forward and backward besides the weights, every token a completion token
+    (the most lm_head sees): what is kept, and the larger of the backward's two peaks: at lm_head (the logits'
+    and rows' gradients, the weight's) or in the blocks (every bf16 gradient, `gradients` bytes, and a block's
+    gradients, with checkpointing also its recomputed activations)."""
+    a, block = model_args, block_bytes_per_token(model_args)
+    blocks = tokens * ((a.n_layers * 4 * a.dim if checkpointing else a.n_layers * block) + 16 + 2 * a.dim)
+    head = kept_bytes(a, tokens, tokens) - tokens * (a.n_layers * block + 16 + 2 * a.dim)
+    sampler = 3 * 4 * LMHeadLogprobs.ROWS_PER_CHUNK_TIMES_VOCAB  # a chunk's fp32 temporaries, in the forward
+    at_head = tokens * (2 * a.vocab_size + 2 * a.dim) + 2 * a.vocab_size * a.dim
+    in_blocks = gradients + tokens * block * (2 if checkpointing else 1) - head
+    return blocks + head + max(sampler, at_head, in_blocks)
+
+
+def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int) -> dict[str, dict[str, float]]:
+    """Bytes one GPU holds at the peak of each phase, by what holds them: while vLLM generates (the trainer's
+    state waits), while the trainer runs a micro-batch (vLLM asleep), and while AdamW steps. FSDP2 shards the
+    trainer over torchrun's `gpus` processes; each runs a whole vLLM engine."""
+    e, (n, block) = args.engine, parameter_counts(model_args)
+    shard, on_gpu = n / gpus, 0 if e.offload_optimizer else 1
+    state = {"bf16 weights": 2 * shard, "fp32 masters": 4 * shard * on_gpu, "AdamW moments": 8 * shard * on_gpu}
+    if args.loss.kl_coef:
+        state["reference policy"] = 2 * shard
+    gathered = {}  # FSDP2: the root (embedding, lm_head), two blocks, a block's gradient reduced in fp32
+    if gpus > 1:
+        gathered["gathered by FSDP2"] = 2 * (n - model_args.n_layers * block) + 4 * block + 6 * block
+    context, asleep = {"CUDA context": CUDA_CONTEXT_BYTES}, {"vLLM asleep": VLLM_ASLEEP_BYTES}
+    grads = {"fp32 gradient sums": 4 * shard}
+    # bf16 gradients: one at a time (the embedding's the largest), under FSDP2 this rank's shards of them all
+    bf16_grads = 2 * (shard if gpus > 1 else model_args.vocab_size * model_args.dim)
+    micro_batch = micro_batch_bytes(model_args, e.max_tokens_per_microbatch, e.activation_checkpointing, bf16_grads)
+    return {
+        "generating": context | {"vLLM": e.vllm_gpu_memory * gpu_bytes + VLLM_SAMPLER_BYTES} | state,
+        "training": context | asleep | state | gathered | grads | {"activations, bf16 gradients": micro_batch},
+        # foreach AdamW makes one temporary of a moment's size (offloaded, AdamW steps on the CPU)
+        "the optimizer step": context | asleep | state | grads | {"AdamW's temporary": 4 * shard * on_gpu},
+    }
+
+
+def memory_problem(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None):
+    """What does not fit in the GPU's `gpu_bytes`, or in `host` = (bytes available, processes sharing them)
+    with an offloaded optimizer; None if everything fits."""
+    a, e, (n, _) = model_args, args.engine, parameter_counts(model_args)
+    sequence = args.data.max_prompt_tokens + args.sampling.max_new_tokens
+    vllm = 2 * n + 2 * 2 * a.n_layers * a.n_kv_heads * a.head_dim * sequence + VLLM_WORKING_BYTES
+    if vllm > e.vllm_gpu_memory * gpu_bytes:
+        return (f"vLLM's share (--vllm-gpu-memory {e.vllm_gpu_memory:g}: {e.vllm_gpu_memory * gpu_bytes / GiB:.1f} "
+                f"GiB) cannot hold its weights, a sequence's KV cache and its workspace ({vllm / GiB:.1f} GiB)")
+    for phase, parts in memory_plan(model_args, args, gpus, gpu_bytes).items():
+        if sum(parts.values()) > USABLE * gpu_bytes:
+            largest = sorted(parts.items(), key=lambda part: -part[1])[:4]
+            return (f"{phase} needs {sum(parts.values()) / GiB:.1f} of the GPU's {gpu_bytes / GiB:.1f} GiB ("
+                    + ", ".join(f"{what} {size / GiB:.1f}" for what, size in largest) + ")")
+    if e.offload_optimizer and host is not None:
+        available, processes = host
+        needs = processes * (12 * n / gpus + HOST_BYTES_PER_PROCESS)
+        if needs > available:
+            return (f"--offload-optimizer needs {needs / GiB:.1f} GiB of host memory, {available / GiB:.1f} GiB "
+                    "are available")
+    return None
+
+
+def check_memory(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None) -> None:
+    """Refuses a run that would run out of GPU (or host) memory, naming changes with which it would fit."""
+    problem = memory_problem(model_args, args, gpus, gpu_bytes, host)
+    if problem is None:
+        return
+    e = args.engine
+
+    def engine(**changes) -> Args:
+        return dataclasses.replace(args, engine=dataclasses.replace(e, **changes))
+    shortest, tokens = args.data.max_prompt_tokens + args.sampling.max_new_tokens, e.max_tokens_per_microbatch
+    kinds = [  # each kind of change, from the least to the most
+        [("--activation-checkpointing", engine(activation_checkpointing=True), gpus)],
+        [(f"--max-tokens-per-microbatch {t}", engine(max_tokens_per_microbatch=t), gpus)
+         for t in (tokens // 2, tokens // 4) if t >= shortest],
+        [("--offload-optimizer", engine(offload_optimizer=True), gpus),
+         ("--offload-optimizer --activation-checkpointing",
+          engine(offload_optimizer=True, activation_checkpointing=True), gpus)],
+        [(f"--vllm-gpu-memory {share:g}", engine(vllm_gpu_memory=share), gpus)
+         for share in (0.4, 0.3) if share < e.vllm_gpu_memory],
+        [(f"torchrun --nproc-per-node {n}", args, n) for n in (2, 4, 8) if n > gpus],
+    ]
+    fits = [next((what for what, changed, n in kind if not memory_problem(
+        model_args, changed, n, gpu_bytes, host and (host[0], host[1] * n // gpus))), None) for kind in kinds]
+    fits = [what for what in fits if what][:3]
+    raise UsageError(f"{parameter_counts(model_args)[0] / 1e9:.2f}B parameters do not fit: {problem}; "
+                     + (f"it would fit with {' or '.join(fits)}" if fits else "no one change makes it fit"))
+
+
+def check_gpu_memory(model_args, args: Args, world: World) -> None:
+    """`check_memory` on this rank's GPU and host; prints the plan once."""
+    gpu_bytes = torch.cuda.mem_get_info()[1]
+    try:
+        available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if "MemAvailable" in line)
+        host = (available, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except (OSError, StopIteration):  # not Linux: the host is not checked
+        host = None
+    check_memory(model_args, args, world.size, gpu_bytes, host)
+    if world.is_main:
+        peaks = [f"{phase} {sum(parts.values()) / GiB:.1f}"
+                 for phase, parts in memory_plan(model_args, args, world.size, gpu_bytes).items()]
+        print(f"GPU memory planned, GiB of {gpu_bytes / GiB:.1f}: {', '.join(peaks)}")
+
+
 @dataclass
 class Inputs:
     """Everything read before the engine starts: a bad input fails before anything slow."""
@@ -1403,7 +1625,8 @@ def load_inputs(args: Args) -> Inputs:
                          "max_position_embeddings)")
     check_bitwise_head_dim(model_args.head_dim, longest, model_dir)
     check_checkpoint(model_dir, model_args)
-    warn_if_short_of_disk(args, model_args)
+    if args.run.save_every >= 0:
+        warn_if_short_of_disk(args, model_args)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:
@@ -1437,7 +1660,8 @@ def warm_start(model: Qwen3, inputs: Inputs, order: list[int], args: Args, world
     for r in inputs.train_rows:
         answer = inputs.tokenizer.encode((" " if plain else "") + r["answer"], add_special_tokens=False)
         r["answer_ids"] = answer + [inputs.tokenizer.eos_token_id or inputs.stop_ids[0]]
-    optimizer = MasterWeights(model, args.warm_start.sft_lr, args.optimizer.weight_decay)
+    optimizer = MasterWeights(model, args.warm_start.sft_lr, args.optimizer.weight_decay,
+                              args.engine.offload_optimizer)
     writer = SummaryWriter(str(Path("runs") / args.run.run_name / "warm_start")) if world.is_main else None
     for step in tqdm(range(args.warm_start.sft_steps), desc="warm start", unit="step", file=sys.stdout,
                      disable=not world.is_main):
@@ -1462,7 +1686,7 @@ def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: li
             tqdm.write(f"after {updates} GRPO steps: greedy accuracy {acc:.3f} on "
                        f"{len(inputs.eval_rows)} test questions")
     ref_model = reference_policy(model, world) if args.loss.kl_coef > 0 else None  # KL to GRPO's start
-    optimizer = MasterWeights(model, o.lr, o.weight_decay)
+    optimizer = MasterWeights(model, o.lr, o.weight_decay, args.engine.offload_optimizer)
     totals = {"tokens_checked": 0, "mismatched_tokens": 0}
     if inputs.start_step:
         saved = restore_training_state(inputs.model_dir, optimizer, ref_model, args, world)
@@ -1498,8 +1722,8 @@ def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: li
                     tqdm.write(message)
                 engine.sleep()  # the trainer goes on
             lr = lr_at(step, o)
-            grad_norm = optimizer.update(lr, o.max_grad_norm)
-            deltas = optimizer.write_back(world)
+            grad_norm, changes = optimizer.step(lr, o.max_grad_norm, world)
+            deltas = weight_deltas(changes, world)
         with phase("push", times, memory):
             engine.sync_weights(model, world, changed=any(magnitude for magnitude, _ in deltas.values()))
         totals["tokens_checked"] += sum(len(c) for c in rollouts.completions)
@@ -1512,7 +1736,7 @@ def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: li
         last = step == o.steps - 1
         if run.eval_every and ((step + 1) % run.eval_every == 0 or last):
             log_eval(step + 1)
-        if (run.save_every and (step + 1) % run.save_every == 0) or last:
+        if run.save_every >= 0 and (last or run.save_every and (step + 1) % run.save_every == 0):
             if writer:  # TensorBoard holds every step up to the checkpoint, should the run die after it
                 writer.flush()
             save_checkpoint(model, optimizer, ref_model, inputs, args, step + 1,
@@ -1531,6 +1755,8 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine) -> Path:
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
         world = init_distributed(device)
+        if device == "cuda":  # before vLLM starts: a model that cannot fit is refused, not run out of memory
+            check_gpu_memory(inputs.model_args, args, world)
         # Nothing in the loop draws from the global generators: seeded (and checkpointed) for what one adds.
         random.seed(args.data.seed)
         torch.manual_seed(args.data.seed)

@@ -49,9 +49,10 @@ def one_update(model_dir, rank: int, size: int) -> dict:
     # Micro-batches of at most 40 tokens: the ranks cut their samples into different numbers of them.
     args = make_args(max_tokens_per_microbatch=40)
     metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args, world)
-    grads = {name: simple_rl.gathered(m.grad).clone() for m, (name, _) in zip(optimizer.masters, optimizer.named)}
-    grad_norm = optimizer.update(1e-3, max_grad_norm=0.5)
-    deltas = optimizer.write_back(world)
+    grads = {name: simple_rl.gathered(simple_rl.shard_like(p.main_grad, p)).clone()
+             for name, p in optimizer.named}
+    grad_norm, changes = optimizer.step(1e-3, max_grad_norm=0.5, world=world)
+    deltas = simple_rl.weight_deltas(changes, world)
     weights = {name: simple_rl.gathered(p).detach().clone() for name, p in model.named_parameters()}
     hf = {name: w.clone() for name, w in simple_rl.hf_weights(model)}  # gathered one by one
     return {"weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas, "hf": hf,

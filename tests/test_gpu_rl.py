@@ -117,14 +117,15 @@ def test_rl_run_is_bitwise_every_step_and_its_checkpoint_loads(tmp_path):
         assert values(again, tag) == values(on, tag), tag
 
 
-def test_a_run_killed_mid_step_resumes_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("offload", [[], ["--offload-optimizer"]], ids=["", "offloaded optimizer"])
+def test_a_run_killed_mid_step_resumes_bit_for_bit(tmp_path, offload):
     """kill -9 during step 5 of 6, after the step-4 checkpoint; --resume from it ends with the weights
     and TensorBoard scalars of the run that was never stopped, and 0 mismatched tokens throughout."""
     from safetensors.torch import load_file
 
     model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", hidden=256, layers=4, heads=4, kv_heads=2,
                                   head_dim=128, intermediate=768)
-    extra = ["--steps", "6", "--save-every", "2", "--keep-last", "0", "--eval-every", "2"]
+    extra = ["--steps", "6", "--save-every", "2", "--keep-last", "0", "--eval-every", "2", *offload]
     whole = run(tmp_path, model_dir, "whole", batch_invariant=True, extra=extra)
 
     command, env = script_command(tmp_path, model_dir, "killed", batch_invariant=True, extra=extra)

@@ -1,0 +1,140 @@
+"""The memory plan on the CPU: its arithmetic for Qwen3's shapes on an H100, the changes it names when a model
+does not fit, the activations it counts against what the kernels' autograd Functions really keep, and a run
+refused (one line, exit status 2) before vLLM starts. tests/test_gpu_memory.py holds it against the GPU."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import make_args, qwen3_config, write_checkpoint, write_gsm8k_model
+
+import simple_rl
+
+H100, GiB = 81559 * 2**20, 2**30
+SHAPES = {  # Qwen3's, as torchtitan's Qwen3ModelArgs
+    "1.7b": dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, enable_weight_tying=True),
+    "4b": dict(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728, enable_weight_tying=True),
+    "8b": dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288, enable_weight_tying=False),
+}
+
+
+def shape(name: str):
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    return Qwen3ModelArgs(**SHAPES[name], vocab_size=151936, head_dim=128)
+
+
+def flags(**engine):
+    return make_args(**engine)
+
+
+def refusal(model_args, args, gpus=1, gpu=H100, host=None) -> str:
+    with pytest.raises(simple_rl.UsageError) as error:
+        simple_rl.check_memory(model_args, args, gpus, gpu, host)
+    return str(error.value)
+
+
+def test_the_plan_adds_up_what_each_phase_holds():
+    model_args, args = shape("1.7b"), flags()
+    n, block = simple_rl.parameter_counts(model_args)
+    assert n == 1_720_574_976 and block == 50_336_000  # Qwen3-1.7B (tied embedding)
+    plan = simple_rl.memory_plan(model_args, args, 1, H100)
+    assert plan["generating"] == {"CUDA context": simple_rl.CUDA_CONTEXT_BYTES,
+                                  "vLLM": 0.5 * H100 + simple_rl.VLLM_SAMPLER_BYTES,
+                                  "bf16 weights": 2 * n, "fp32 masters": 4 * n, "AdamW moments": 8 * n}
+    assert plan["training"]["fp32 gradient sums"] == 4 * n
+    one_at_a_time = 2 * 151936 * 2048  # bf16 gradients, folded one by one into fp32: the embedding's the largest
+    assert plan["training"]["activations, bf16 gradients"] == simple_rl.micro_batch_bytes(model_args, 8192, False,
+                                                                                          one_at_a_time)
+    assert plan["the optimizer step"]["AdamW's temporary"] == 4 * n
+    offloaded = simple_rl.memory_plan(model_args, flags(offload_optimizer=True), 1, H100)
+    assert offloaded["generating"]["fp32 masters"] == offloaded["generating"]["AdamW moments"] == 0
+    sharded = simple_rl.memory_plan(model_args, args, 4, H100)
+    assert sharded["generating"]["AdamW moments"] == 2 * n and "gathered by FSDP2" in sharded["training"]
+    # Checkpointing keeps a fraction of the activations; a smaller micro-batch keeps fewer.
+    full, checkpointed = (simple_rl.micro_batch_bytes(model_args, 8192, c, 2 * n) for c in (False, True))
+    assert checkpointed < full / 2 and simple_rl.micro_batch_bytes(model_args, 4096, False, 2 * n) < full
+
+
+def test_what_fits_one_h100():
+    simple_rl.check_memory(shape("1.7b"), flags(), 1, H100, None)  # the defaults
+    message = refusal(shape("4b"), flags())
+    assert message.startswith("4.02B parameters do not fit: generating needs") and "--offload-optimizer" in message
+    simple_rl.check_memory(shape("4b"), flags(offload_optimizer=True), 1, H100, None)
+    message = refusal(shape("8b"), flags())
+    assert "AdamW moments 61.0" in message
+    assert "--offload-optimizer --activation-checkpointing" in message and "torchrun --nproc-per-node" in message
+    eight_b = flags(offload_optimizer=True, activation_checkpointing=True)
+    simple_rl.check_memory(shape("8b"), eight_b, 1, H100, None)
+    # offloaded, the 8B's 98 GB of masters and moments must fit the host
+    assert "of host memory" in refusal(shape("8b"), eight_b, host=(64 * GiB, 1))
+    simple_rl.check_memory(shape("8b"), eight_b, 1, H100, (120 * GiB, 1))
+    # vLLM's own share must hold its weights: the 8B's 15 GiB do not fit in 10% of the GPU
+    assert refusal(shape("8b"), flags(offload_optimizer=True, activation_checkpointing=True, vllm_gpu_memory=0.1)
+                   ).startswith("8.19B parameters do not fit: vLLM's share (--vllm-gpu-memory 0.1")
+    # sharded over 4 GPUs, each with an engine of its own, the 8B's state fits; its activations need checkpointing
+    assert "it would fit with --activation-checkpointing" in refusal(shape("8b"), flags(), 4)
+    simple_rl.check_memory(shape("8b"), flags(activation_checkpointing=True), 4, H100, None)
+
+
+def test_the_activations_planned_are_what_the_kernels_keep(tmp_path):
+    """What the plan counts as kept for a micro-batch without checkpointing equals, byte for byte, what the
+    trainer's autograd Functions save for the backward (each storage once, the weights aside), in a model
+    whose every size differs."""
+    config = qwen3_config(hidden=96, layers=3, heads=6, kv_heads=2, head_dim=16, intermediate=160, vocab=320)
+    model = simple_rl.load_qwen3(write_checkpoint(tmp_path / "m", config), "cpu")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 2, 9)]
+    completions = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (40, 23, 30)]
+    batch = simple_rl.pack_sequences(prompts, completions, "cpu")
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved = {}
+
+    def keep(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(batch)
+    cu_seqlens = 4 * (len(prompts) + 1)
+    assert sum(saved.values()) - cu_seqlens == simple_rl.kept_bytes(model.args, len(batch.tokens), 93)
+
+
+def test_a_model_that_cannot_fit_is_refused_before_vllm_starts(tmp_path, monkeypatch, capsys):
+    """simple_rl.main on a 'GPU' of 3 GiB: one line naming what would fit, exit status 2, and no engine made."""
+    class NoEngine:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("the engine started")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (3 * GiB, 3 * GiB))
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    args = make_args(model=str(model_dir), dataset=str(tmp_path / "train.jsonl"), eval_every=0,
+                     output_dir=str(tmp_path / "checkpoints"))
+    from conftest import gsm8k_jsonl
+    args = dataclasses.replace(args, data=dataclasses.replace(args.data, dataset=str(gsm8k_jsonl("train"))))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(simple_rl.UsageError, match="do not fit: vLLM's share"):
+        simple_rl.main(args, "cuda", engine_class=NoEngine)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_offloaded_step_makes_the_same_update(tmp_path):
+    """AdamW on the host (fused, a parameter at a time) and where the weights are (one foreach step) move a
+    model's weights alike over two steps: within fp32 rounding of the masters, the same deltas."""
+    model_dir = write_checkpoint(tmp_path / "m", qwen3_config(layers=2))
+    models = [simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32) for _ in range(2)]
+    optimizers = [simple_rl.MasterWeights(m, 1e-2, 0.1, offload=offload) for m, offload in zip(models, (False, True))]
+    for step in range(2):
+        for model, optimizer in zip(models, optimizers):
+            g = torch.Generator().manual_seed(step)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            optimizer.accumulate_grads()
+        (norm, changes), (offloaded_norm, offloaded_changes) = (o.step(1e-2, 1.0) for o in optimizers)
+        assert norm == offloaded_norm > 1  # clipped, by the same norm
+        for name in changes:
+            torch.testing.assert_close(offloaded_changes[name], changes[name], rtol=1e-5, atol=0)
+    start = simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32).parameters()
+    for a, b, before in zip(*(m.parameters() for m in models), start):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(a, before)
