@@ -653,6 +653,42 @@ class LMHeadLogprobs(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
+# What the kernels keep for the backward: the bytes of a micro-batch (simple_rl.py's memory plan)
+# ---------------------------------------------------------------------------------------------
+
+
+def block_bytes_per_token(a) -> int:
+    """What a transformer block's autograd Functions keep for the backward, per token: both norms' inputs and
+    outputs (4 dim), q/k/v, rotated q/k and attention's output (3 (q + kv)), SwiGLU's input and output
+    (3 hidden_dim), all bf16; and attention's log-sum-exp, fp32 a head."""
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    return 2 * (4 * a.dim + 3 * (q + kv) + 3 * a.hidden_dim) + 4 * a.n_heads
+
+
+def kept_bytes(model_args, tokens: int, completion_tokens: int) -> int:
+    """What the trainer keeps for the backward of a micro-batch without checkpointing: the blocks'; per token
+    the ids and positions (int64) and the final norm's input; per completion token lm_head's row, its bf16
+    logits, the entropy, the target and the row's index."""
+    a = model_args
+    return (tokens * (a.n_layers * block_bytes_per_token(a) + 16 + 2 * a.dim)
+            + completion_tokens * (2 * a.dim + 2 * a.vocab_size + 4 + 8 + 8))
+
+
+def micro_batch_bytes(model_args, tokens: int, checkpointing: bool, gradients: float) -> float:
+    """Peak memory of a micro-batch's forward and backward besides the weights, every token a completion token
+    (the most lm_head sees): what is kept, and the larger of the backward's two peaks: at lm_head (the logits'
+    and rows' gradients, the weight's) or in the blocks (every bf16 gradient, `gradients` bytes, and a block's
+    gradients, with checkpointing also its recomputed activations)."""
+    a, block = model_args, block_bytes_per_token(model_args)
+    blocks = tokens * ((a.n_layers * 4 * a.dim if checkpointing else a.n_layers * block) + 16 + 2 * a.dim)
+    head = kept_bytes(a, tokens, tokens) - tokens * (a.n_layers * block + 16 + 2 * a.dim)
+    sampler = 3 * 4 * LMHeadLogprobs.ROWS_PER_CHUNK_TIMES_VOCAB  # a chunk's fp32 temporaries, in the forward
+    at_head = tokens * (2 * a.vocab_size + 2 * a.dim) + 2 * a.vocab_size * a.dim
+    in_blocks = gradients + tokens * block * (2 if checkpointing else 1) - head
+    return blocks + head + max(sampler, at_head, in_blocks)
+
+
+# ---------------------------------------------------------------------------------------------
 # Kernel sets a model is built with
 # ---------------------------------------------------------------------------------------------
 

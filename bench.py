@@ -136,7 +136,7 @@ def exact_step_runner(ckpt: Path, args):
         with simple_rl.phase("train", times, memory):
             engine.sleep()
             _, trainer_logprobs = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, config, world)
-            parity, _, first_mismatch = simple_rl.parity_report(logprobs, trainer_logprobs, completions, 0, world)
+            parity, first_mismatch = simple_rl.compare_bits(logprobs, trainer_logprobs, completions, world)
             assert first_mismatch is None, first_mismatch
             _, changes = optimizer.step(simple_rl.lr_at(i, config.optimizer), config.optimizer.max_grad_norm)
         with simple_rl.phase("push", times, memory):
@@ -148,7 +148,7 @@ def exact_step_runner(ckpt: Path, args):
 
     def save(i: int) -> float:
         start = time.perf_counter()
-        simple_rl.save_checkpoint(model, optimizer, None, SimpleNamespace(model_dir=ckpt), config, i, {}, world)
+        simple_rl.save_checkpoint(model, optimizer, None, SimpleNamespace(model_dir=ckpt), config, i, {}, world=world)
         return time.perf_counter() - start
 
     return step, save

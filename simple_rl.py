@@ -33,6 +33,7 @@ import re
 import shutil
 import sys
 import time
+import typing
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -41,44 +42,44 @@ from typing import Annotated, Literal, NamedTuple
 
 import tyro
 
-# ===== Args: every flag, checked before anything is loaded =====
-# A field's comment is its --help text (tyro reads it).
+# ===== Config: every flag; a field's comment is its --help =====
+FIXED = "fixed on resume"  # a flag a resume may not change: data order, seeds, batch shape, reference follow
 
 
 @dataclass
 class Data:
     """The model, the data and the seed."""
-    model: str = "Qwen/Qwen3-1.7B"  # Qwen3 hub id, or local directory (config.json, safetensors, tokenizer)
-    dataset: str | None = None  # local train jsonl (question, answer); default: openai/gsm8k 'main' train
+    model: Annotated[str, FIXED] = "Qwen/Qwen3-1.7B"  # Qwen3 hub id, or local directory (config, safetensors)
+    dataset: Annotated[str | None, FIXED] = None  # local train jsonl (question, answer); default: the hub's
     eval_dataset: str | None = None  # local test jsonl; default: openai/gsm8k 'main' test split
     # 'chat': the tokenizer's chat template; 'plain': 'Question: ...', then 'Answer:'; 'auto': chat if any
-    prompt_format: Literal["auto", "chat", "plain"] = "auto"
-    thinking: bool = False  # let Qwen3's chat template open a <think> block (long completions)
-    max_prompt_tokens: int = 512  # longer prompts are skipped (and counted at start), never cut
-    seed: int = 0  # seed of the data order, the sampling and the trainer
+    prompt_format: Annotated[Literal["auto", "chat", "plain"], FIXED] = "auto"
+    thinking: Annotated[bool, FIXED] = False  # let Qwen3's chat template open a <think> block (long answers)
+    max_prompt_tokens: Annotated[int, FIXED] = 512  # longer prompts are skipped (counted at start), never cut
+    seed: Annotated[int, FIXED] = 0  # seed of the data order, the sampling and the trainer
 
 
 @dataclass
 class Sampling:
     """What vLLM samples each step: the policy trained is the distribution it samples from."""
-    prompts_per_step: int = 32  # GSM8K questions per step
-    samples_per_prompt: int = 8  # G: completions per question, the group advantages are normalised over
-    max_new_tokens: int = 512  # completion length limit
-    temperature: float = 1.0  # sampling temperature: the policy is softmax(logits / T), exact at any T
-    top_k: int = 0  # sample among the k most likely tokens only (vLLM's top-k); 0 keeps them all
-    top_p: float = 1.0  # sample among the likeliest tokens of total probability p (vLLM's top-p); 1: all
+    prompts_per_step: Annotated[int, FIXED] = 32  # GSM8K questions per step
+    samples_per_prompt: Annotated[int, FIXED] = 8  # G: completions per question, advantages normalised over
+    max_new_tokens: Annotated[int, FIXED] = 512  # completion length limit
+    temperature: Annotated[float, FIXED] = 1.0  # the policy is softmax(logits / T), exact at any T
+    top_k: Annotated[int, FIXED] = 0  # sample among the k likeliest tokens only (vLLM's top-k); 0 keeps all
+    top_p: Annotated[float, FIXED] = 1.0  # sample among the likeliest tokens of probability p (vLLM's); 1 all
 
 
 @dataclass
 class Loss:
     """The GRPO loss, and the corrections for runs whose sampler and trainer differ."""
     clip_eps: float = 0.2  # PPO clip range of the token ratio
-    kl_coef: float = 0.0  # k3 KL-to-reference coefficient; 0 skips the reference model (memory, forward)
+    kl_coef: Annotated[float, FIXED] = 0.0  # k3 KL-to-reference coefficient; 0 skips the reference model
     entropy_coef: float = 0.0  # entropy bonus coefficient
     std_normalize: bool = True  # divide group advantages by the group std
-    # for runs whose sampler and trainer differ (batch invariance off): weight the policy-gradient term by
-    # w = trainer / sampler probability, truncated at --correction-max ('tis') or zeroed outside
-    # the range [--correction-min, --correction-max] ('mis'); 'none' clips the ratio to the sampler (PPO)
+    # where sampler and trainer differ (batch invariance off): weight the policy gradient by w = trainer /
+    # sampler probability, truncated at --correction-max ('tis') or zeroed outside [--correction-min,
+    # --correction-max] ('mis'); 'none' clips the ratio to the sampler (PPO)
     correction: Literal["none", "tis", "mis"] = "none"
     # a weight per token, or one per sequence from its summed log-ratios (token-level ones collapse more)
     correction_level: Literal["token", "sequence"] = "sequence"
@@ -118,7 +119,7 @@ class Parity:
 
 @dataclass
 class Engine:
-    """How vLLM and the trainer share the GPU."""
+    """How vLLM and the trainer share the GPU (simple_rl.py refuses, naming what would fit, what cannot)."""
     # share of the GPU's memory vLLM holds while generating (weights, KV cache, CUDA graphs), freed to train
     vllm_gpu_memory: float = 0.5
     vllm_cuda_graphs: bool = True  # decode steps as CUDA graphs (no torch.compile: same bits as eager)
@@ -137,9 +138,7 @@ class Run:
     eval_samples: int = 256  # test questions per evaluation
     run_name: str | None = None  # names runs/<run_name> and <output_dir>/<run_name>; default: a timestamp
     output_dir: str = "checkpoints"  # where checkpoints are written
-    # checkpoint every N steps and after the last (HF weights + the state to resume); 0: after the last only;
-    # -1: never
-    save_every: int = 0
+    save_every: int = 0  # checkpoint every N steps and after the last; 0: after the last only; -1: never
     keep_last: int = 3  # checkpoints of the run kept on disk, the newest; 0 keeps all
     # a checkpoint (<output_dir>/<run_name>/step_N) to continue its run from, with its saved flags; flags
     # given too may change what a resume may (learning rate, steps, logging, checkpoints). Bit for bit on
@@ -159,9 +158,12 @@ class Args:
     run: Annotated[Run, tyro.conf.arg(name="evaluation_and_checkpoints")] = field(default_factory=Run)
 
 
-# The flags a resume may not change: the data order, sampling seeds, batch shape and reference model follow.
-RUN_DEFINING = {"data": ("model", "dataset", "seed", "prompt_format", "thinking", "max_prompt_tokens"),
-                "sampling": tuple(f.name for f in dataclasses.fields(Sampling)), "loss": ("kl_coef",)}
+# The range of every number, checked as the flags are parsed (the other checks follow the Plumbing banner).
+RANGES = {"at least 1": ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_tokens", "sft_batch_size",
+                         "eval_samples"),
+          ">= 0": ("top_k", "warmup_steps", "weight_decay", "kl_coef", "entropy_coef", "sft_steps",
+                   "parity_report_tokens", "eval_every", "keep_last"),
+          "> 0": ("temperature", "lr", "sft_lr", "max_grad_norm", "clip_eps")}
 
 
 class UsageError(Exception):
@@ -170,6 +172,10 @@ class UsageError(Exception):
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def torchrun_rank_and_size() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def saved_run(checkpoint: Path) -> tuple[Args, int]:
@@ -189,7 +195,7 @@ def saved_run(checkpoint: Path) -> tuple[Args, int]:
 
 
 def parse_command_line(argv: list[str] | None = None) -> Args:
-    """The flags. With --resume, the run's saved flags, overridden by those given."""
+    """The flags, each number in its range; with --resume, the run's saved flags overridden by those given."""
     setting = ("Set VLLM_BATCH_INVARIANT=1 in the environment: vLLM reads it at import, and without it the "
                "logprobs cannot be bitwise equal.")
     options = dict(args=argv, config=(tyro.conf.OmitArgPrefixes, tyro.conf.DisallowNone),
@@ -197,112 +203,33 @@ def parse_command_line(argv: list[str] | None = None) -> Args:
     args = tyro.cli(Args, **options)
     if args.run.resume is not None:
         args = tyro.cli(Args, default=saved_run(Path(args.run.resume))[0], **options)
-    return args
-
-
-def check_resume(args: Args) -> tuple[Args, int]:
-    """The args of a resumed run (its name kept) and its step; names every flag contradicting the run."""
-    saved, step = saved_run(Path(args.run.resume))
-    values = [(name, getattr(getattr(args, group), name), getattr(getattr(saved, group), name))
-              for group, names in RUN_DEFINING.items() for name in names]
-    clashes = [f"{flag(name)} {given!r} (the run has {had!r})" for name, given, had in values if given != had
-               and not (isinstance(given, str) and isinstance(had, str) and os.path.exists(given)
-                        and os.path.exists(had) and os.path.samefile(given, had))]  # a path, spelt otherwise
-    if clashes:
-        raise UsageError(f"--resume {args.run.resume}: {', '.join(clashes)} contradict the run it continues; "
-                         "leave them out to continue it as it was")
-    if step >= args.optimizer.steps:
-        raise UsageError(f"--resume {args.run.resume}: the run is at step {step} already; pass a larger "
-                         "--steps to train on")
-    return dataclasses.replace(args, run=dataclasses.replace(args.run, run_name=saved.run.run_name)), step
-
-
-def check_output(run: Run) -> None:
-    """runs/<run_name> and <output_dir>/<run_name> can be written, and a new run overwrites nothing."""
-    if not re.fullmatch(r"[\w.-]+", run.run_name) or run.run_name in (".", ".."):
-        raise UsageError(f"--run-name {run.run_name!r}: give a plain name (letters, digits, '.', '-', '_'): "
-                         "it names the folders runs/<name> and <output-dir>/<name>")
-    for root, what in ((Path(run.output_dir), "--output-dir"), (Path("runs"), "TensorBoard's runs/")):
-        existing = next(p for p in (root, *root.absolute().parents) if p.exists())
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            raise UsageError(f"{what} {root}: {existing} is not a writable directory")
-        if not run.resume and (root / run.run_name).exists():
-            raise UsageError(f"--run-name {run.run_name}: {root / run.run_name} exists already; pick another "
-                             "name, or --resume one of its checkpoints")
-
-
-def check_args(args: Args, world_size: int) -> Args:
-    """Fails on bad flags, environment or output paths; sets the run name (a timestamp), warm-up <= steps."""
-    d, s, lo, o, w, p, e, r = (getattr(args, f.name) for f in dataclasses.fields(Args))
     values = {name: value for group in asdict(args).values() for name, value in group.items()}
-    bounds = {"at least 1": ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_tokens",
-                             "sft_batch_size", "eval_samples"),
-              ">= 0": ("top_k", "warmup_steps", "weight_decay", "kl_coef", "entropy_coef", "sft_steps",
-                       "parity_report_tokens", "eval_every", "keep_last"),
-              "> 0": ("temperature", "lr", "sft_lr", "max_grad_norm", "clip_eps")}
+    for name, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag(name)} must be a finite number")
     holds = {"at least 1": lambda x: x >= 1, ">= 0": lambda x: x >= 0, "> 0": lambda x: x > 0}
-    checks = [(holds[rule](values[name]), f"{flag(name)} must be {rule}") for rule, names in bounds.items()
-              for name in names]
-    checks += [(math.isfinite(getattr(group, f.name)), f"{flag(f.name)} must be a finite number")
-               for group in (s, lo, o, w, e) for f in dataclasses.fields(group) if f.type is float]
-    invariant = os.environ.get("VLLM_BATCH_INVARIANT")
-    checks += [
-        (s.samples_per_prompt >= 2, "--samples-per-prompt must be at least 2: GRPO normalises rewards "
-                                    "within each group"),
-        (0 < s.top_p <= 1, "--top-p must be in (0, 1] (1 keeps every token)"),
-        (lo.kl_coef == 0 or (s.top_k == 0 and s.top_p == 1), "--kl-coef must be 0 with --top-k or --top-p: "
-         "a sampled token can lie outside the reference policy's kept set, where the KL is infinite"),
-        (0 <= o.min_lr_ratio <= 1, "--min-lr-ratio must be between 0 and 1"),
-        (r.save_every >= -1, "--save-every must be >= -1 (0: a checkpoint after the last step only; -1: none)"),
-        (0 <= lo.correction_min < lo.correction_max, "need 0 <= --correction-min < --correction-max"),
-        (e.max_tokens_per_microbatch >= d.max_prompt_tokens + s.max_new_tokens, "--max-tokens-per-microbatch "
-         "must hold one whole sequence (>= --max-prompt-tokens + --max-new-tokens)"),
-        (0 < e.vllm_gpu_memory < 1, "--vllm-gpu-memory must be a fraction between 0 and 1"),
-        (not (d.dataset and r.eval_every and not d.eval_dataset), "--dataset is local: pass --eval-dataset "
-         "(a local test jsonl) too, or --eval-every 0"),
-        (invariant in (None, "0", "1"), f"VLLM_BATCH_INVARIANT is {invariant!r}, but vLLM reads it as an "
-         "integer: set VLLM_BATCH_INVARIANT=1"),
-        (not p.assert_bitwise or invariant == "1",
-         f"VLLM_BATCH_INVARIANT is {invariant or 'not set'}, so vLLM's logprobs cannot equal the trainer's: "
-         "set VLLM_BATCH_INVARIANT=1, or pass --no-assert-bitwise to run anyway and report the mismatch"),
-        *[(values[name] % world_size == 0,
-           f"{flag(name)} {values[name]} must be a multiple of the {world_size} processes")
-          for name in ("prompts_per_step", "sft_batch_size")],
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UsageError(message)
-    if r.resume:
-        args, _ = check_resume(args)
-    elif r.run_name is None:
-        args = dataclasses.replace(args, run=dataclasses.replace(
-            r, run_name=time.strftime("grpo_%Y%m%d_%H%M%S")))
-    check_output(args.run)
-    if o.warmup_steps > o.steps:
-        print(f"note: --warmup-steps {o.warmup_steps} is more than --steps {o.steps}: the learning rate "
-              f"warms up over all {o.steps} steps")
-        args = dataclasses.replace(args, optimizer=dataclasses.replace(o, warmup_steps=o.steps))
+    for rule, names in RANGES.items():
+        for name in names:
+            if not holds[rule](values[name]):
+                raise UsageError(f"{flag(name)} must be {rule}")
     return args
 
 
-def command_line_or_exit() -> Args:
-    """The checked flags, or one line on stderr (from rank 0 alone under torchrun) and exit status 2."""
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+def exit_on(error: Exception, status: int) -> None:
+    """The one way out on an error: a line on stderr (from rank 0 alone under torchrun), and the status."""
+    if torchrun_rank_and_size()[0] == 0:
+        print(f"error: {error}", file=sys.__stderr__)
+    sys.exit(status)
+
+
+if __name__ == "__main__":  # before torch and vLLM load (seconds): --help and a bad flag answer at once
+    if torchrun_rank_and_size()[0]:  # tyro reports a mistyped flag itself: once, from rank 0
+        sys.stderr = open(os.devnull, "w")
     try:
-        if rank:  # tyro reports a mistyped flag itself: once, from rank 0
-            sys.stderr = open(os.devnull, "w")
-        args = check_args(parse_command_line(), world)
-        sys.stderr = sys.__stderr__
-        return args
+        COMMAND_LINE = parse_command_line()
     except UsageError as e:
-        if not rank:
-            print(f"error: {e}", file=sys.__stderr__)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    # Read and checked before torch and vLLM load (seconds): --help and a bad flag answer at once.
-    COMMAND_LINE = command_line_or_exit()
+        exit_on(e, 2)
+    sys.stderr = sys.__stderr__
 
 import torch  # noqa: E402  (after the flags: see above)
 import torch.distributed as dist  # noqa: E402
@@ -312,11 +239,11 @@ import torch.utils.checkpoint  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
-    CUDA_GRAPHS, EXACT, Kernels, LMHeadLogprobs, _num_sms, check_bitwise_head_dim, first_divergence, install_exact_kernels,
-    matmul_tiles, qwen3_gemms, rope_cos_sin_cache, trainer_trace, vllm_trace)
+    CUDA_GRAPHS, EXACT, Kernels, _num_sms, check_bitwise_head_dim, first_divergence, install_exact_kernels,
+    kept_bytes, matmul_tiles, micro_batch_bytes, qwen3_gemms, rope_cos_sin_cache, trainer_trace, vllm_trace)
 
 
-# ===== Setup: the processes, the seeds =====
+# ===== The processes: one, or torchrun's =====
 @dataclass(frozen=True)
 class World:
     """Rank and size under torchrun; alone, rank 0 of 1 (even in vLLM's group of one): collectives skip."""
@@ -344,22 +271,6 @@ class World:
             return n
         dist.all_reduce(x := torch.tensor(n, device=self._device()), op=dist.ReduceOp.MAX)
         return int(x)
-
-    def cat(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's 1-D tensor (lengths may differ) in rank order; not pickled: that took 0.4-0.8 s."""
-        if self.size == 1:
-            return x
-        device = self._device()
-        lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.size)]
-        dist.all_gather(lengths, torch.tensor([len(x)], device=device))
-        lengths = [int(n) for n in lengths]
-        parts = [torch.empty(max(lengths), dtype=x.dtype, device=device) for _ in range(self.size)]
-        dist.all_gather(parts, F.pad(x.to(device), (0, max(lengths) - len(x))))  # padded: equal sizes
-        return torch.cat([part[:n] for part, n in zip(parts, lengths)]).to(x.device)
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier()
 
 
 def rollout_seeds(seed: int, step: int, n: int) -> list[int]:
@@ -400,41 +311,11 @@ def gsm8k_reward(completion: str, reference_answer: str) -> float:
     return float(predicted is not None and expected is not None and predicted == expected)
 
 
-def load_gsm8k(path: str | None, split: str) -> list[dict]:
-    """[{question, answer}]: a local jsonl, or openai/gsm8k 'main' from `datasets`."""
-    if path is None:
-        from datasets import load_dataset
-        try:
-            rows = load_dataset("openai/gsm8k", "main", split=split)
-        except Exception as e:
-            raise ValueError(f"cannot load openai/gsm8k from the hub ({type(e).__name__}): pass --dataset "
-                             "and --eval-dataset with local jsonl files") from e
-        return [{"question": r["question"], "answer": r["answer"]} for r in rows]
-    if not Path(path).is_file():
-        what = "a directory" if Path(path).is_dir() else "no such file"
-        raise ValueError(f"{path}: {what} (expected a GSM8K-format jsonl file)")
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text (save the jsonl as UTF-8)") from None
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise ValueError(f"{path} line {n}: not valid JSON") from None
-        if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))):
-            raise ValueError(f"{path} line {n}: need a JSON object with string fields 'question', 'answer'")
-        # GSM8K's answers end in '#### N': a bare last number would be a guess at the answer.
-        if not ANSWER_AFTER_HASHES.search(row["answer"]):
-            raise ValueError(f"{path} line {n}: the answer does not end in '#### N' with N a number "
-                             "(GSM8K's format)")
-        rows.append({"question": row["question"], "answer": row["answer"]})
-    if not rows:
-        raise ValueError(f"{path}: no examples")
-    return rows
+def load_gsm8k(split: str) -> list[dict]:
+    """[{question, answer}] of openai/gsm8k 'main' from `datasets` (a local jsonl: `read_gsm8k_jsonl`)."""
+    from datasets import load_dataset
+    return [{"question": r["question"], "answer": r["answer"]} for r in load_dataset("openai/gsm8k", "main",
+                                                                                     split=split)]
 
 
 def encode_prompt(tokenizer, question: str, use_chat: bool, thinking: bool) -> list[int]:
@@ -445,20 +326,12 @@ def encode_prompt(tokenizer, question: str, use_chat: bool, thinking: bool) -> l
                                          tokenize=True, return_dict=False, enable_thinking=thinking)
 
 
-def encode_dataset(rows, tokenizer, data: Data, name: str) -> list[dict]:
-    """Tokenise every question once; report (never cut) prompts over --max-prompt-tokens."""
+def encode_dataset(rows, tokenizer, data: Data) -> list[dict]:
+    """Tokenise every question once; prompts over --max-prompt-tokens are skipped, never cut."""
     use_chat = data.prompt_format != "plain" and tokenizer.chat_template is not None
-    if data.prompt_format == "chat" and not use_chat:
-        raise ValueError("--prompt-format chat: this tokenizer has no chat template; use plain or auto")
     encoded = [dict(r, prompt_ids=encode_prompt(tokenizer, r["question"], use_chat, data.thinking))
                for r in rows]
-    kept = [r for r in encoded if len(r["prompt_ids"]) <= data.max_prompt_tokens]
-    if len(kept) < len(encoded):
-        print(f"{name}: {len(encoded) - len(kept)} of {len(encoded)} prompts exceed --max-prompt-tokens "
-              f"{data.max_prompt_tokens} and are skipped")
-    if not kept:
-        raise ValueError(f"{name}: every prompt exceeds --max-prompt-tokens {data.max_prompt_tokens}")
-    return kept
+    return [r for r in encoded if len(r["prompt_ids"]) <= data.max_prompt_tokens]
 
 
 def step_rows(rows: list[dict], order: list[int], step: int, n: int) -> list[dict]:
@@ -496,15 +369,21 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], devic
                        completion_lens=[len(c) for c in completions])
 
 
-def packed_micro_batches(prompts, completions, token_budget: int, device, world: World):
-    """(indices, PackedBatch) of <= `token_budget` tokens in sample order, as many on every rank (sharded
-    forwards meet)."""
+def bins(sizes, budget: int) -> list[list[int]]:
+    """Consecutive items in bins of at most `budget` in all (an item larger than that alone)."""
     groups, size = [], 0
-    for i, n in enumerate(len(p) + len(c) for p, c in zip(prompts, completions)):
-        if not groups or size + n > token_budget:
+    for i, n in enumerate(sizes):
+        if not groups or size + n > budget:
             groups, size = [*groups, []], 0
         groups[-1].append(i)
         size += n
+    return groups
+
+
+def packed_micro_batches(prompts, completions, token_budget: int, device, world: World = World()):
+    """(indices, PackedBatch) of <= `token_budget` tokens in sample order, as many on every rank (sharded
+    forwards meet)."""
+    groups = bins([len(p) + len(c) for p, c in zip(prompts, completions)], token_budget)
     count = world.max(len(groups))
     while len(groups) < count:  # halve the group of most samples (the sums stay the same)
         i = max(range(len(groups)), key=lambda j: len(groups[j]))
@@ -513,43 +392,16 @@ def packed_micro_batches(prompts, completions, token_budget: int, device, world:
         yield idx, pack_sequences([prompts[i] for i in idx], [completions[i] for i in idx], device)
 
 
-def read_config(model_dir: Path) -> dict:
-    """A checkpoint's config.json, refused in one line (naming the file) if it cannot describe a Qwen3."""
-    path = model_dir / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: a JSON object of the model's settings was expected")
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-            "intermediate_size", "rms_norm_eps", "max_position_embeddings")
-    missing = [key for key in keys if not isinstance(config.get(key), (int, float))]
-    if config.get("model_type") != "qwen3" or missing:
-        what = f"no {', '.join(missing)}" if missing else f"model_type is {config.get('model_type')!r}"
-        raise ValueError(f"{path}: {what}; this trainer needs a Hugging Face Qwen3 config")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    unsupported = {"hidden_act": config.get("hidden_act", "silu") != "silu",
-                   "attention_bias": bool(config.get("attention_bias", False)),
-                   "rope scaling": rope.get("rope_type", rope.get("type", "default")) != "default",
-                   "sliding window": bool(config.get("use_sliding_window", False))}
-    for name, bad in unsupported.items():
-        if bad:
-            raise ValueError(f"{path}: {name} is not supported by this trainer (plain Qwen3 only)")
-    return config
-
-
 def model_args_from_hf_config(config: dict):
     """torchtitan's Qwen3ModelArgs from a Hugging Face `config.json` (checked by `read_config`)."""
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     return Qwen3ModelArgs(
         dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
         n_heads=config["num_attention_heads"], n_kv_heads=config["num_key_value_heads"],
         vocab_size=config["vocab_size"], hidden_dim=config["intermediate_size"],
         norm_eps=config["rms_norm_eps"], max_seq_len=config["max_position_embeddings"],
         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        rope_theta=rope.get("rope_theta", config.get("rope_theta", 1_000_000)),
+        rope_theta=rope_parameters(config).get("rope_theta", config.get("rope_theta", 1_000_000)),
         enable_weight_tying=config.get("tie_word_embeddings", False))
 
 
@@ -640,6 +492,10 @@ class Qwen3(nn.Module):
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(args, dtype), persistent=False)
 
     @property
+    def device(self) -> torch.device:
+        return self.cos_sin_cache.device
+
+    @property
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
@@ -665,25 +521,6 @@ class Qwen3(nn.Module):
 
 
 # ===== Weights: Hugging Face checkpoints in and out =====
-def gathered(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # a whole DTensor: every rank must call this
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # this rank's shard of a sharded tensor
-
-
-def shard_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor sharded as `param` is (an FSDP2 DTensor), as a DTensor DCP can save and
-    reshard, without a copy: it loads into `local`, on the host too (FSDP2 builds its offloaded shards so)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    if not isinstance(param, DTensor):
-        return local
-    spec = DTensorSpec(param.device_mesh, param.placements, TensorMeta(param.shape, param.stride(), local.dtype))
-    return DTensor(local, spec, requires_grad=False)
-
-
 def from_hf_state_dict(hf_state: dict, args) -> dict:
     from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
     state = Qwen3StateDictAdapter(args, None).from_hf(dict(hf_state))
@@ -712,52 +549,19 @@ def hf_weights(model: Qwen3):
         yield from adapter.to_hf(parts).items()
 
 
-def check_checkpoint(model_dir: Path, args) -> None:
-    from safetensors import SafetensorError, safe_open  # headers only: fail before anything slow starts
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"--model {model_dir}: no *.safetensors weights in the directory")
-    found = {}  # name -> (shape, dtype)
-    for f in files:
-        try:
-            with safe_open(f, "pt") as weights:
-                found |= {name: (tuple(weights.get_slice(name).get_shape()),
-                                 weights.get_slice(name).get_dtype()) for name in weights.keys()}
-        except SafetensorError as e:
-            raise ValueError(f"--model {model_dir}: {f.name} is not a whole safetensors file ({e}); download "
-                             "or save it again") from None
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in hf_weights(Qwen3(args))}
-    if args.enable_weight_tying:
-        found.pop("lm_head.weight", None)  # some tied checkpoints store the head too; it is the embedding
-    problems = [f"missing {name}" for name in sorted(expected.keys() - found.keys())]
-    problems += [f"unexpected {name}" for name in sorted(found.keys() - expected.keys())]
-    problems += [f"{name} is {list(found[name][0])}, config.json needs {list(shape)}"
-                 for name, shape in expected.items() if name in found and found[name][0] != shape]
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise ValueError(f"--model {model_dir}: the weights do not match config.json: "
-                         + "; ".join(problems[:3]) + more)
-    other = sorted({dtype for _, dtype in found.values()} - {"BF16"})
-    if other:  # vLLM would serve them rounded to bf16, the trainer would train other weights
-        raise ValueError(f"--model {model_dir}: the weights are {', '.join(other)}; both sides run bf16 "
-                         "weights: save the checkpoint in bfloat16")
-
-
 def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bfloat16,
                activation_checkpointing: bool = False) -> Qwen3:
+    """A Hugging Face Qwen3 checkpoint (checked by `check_checkpoint`) as our Qwen3."""
     args = model_args_from_hf_config(read_config(model_dir))
     if torch.device(device) == torch.device("cuda"):  # safetensors reads a bare "cuda" as GPU 0
         device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU, under torchrun
-    hf_state = {name: t for f in sorted(model_dir.glob("*.safetensors"))
+    hf_state = {name: t.to(dtype) for f in sorted(model_dir.glob("*.safetensors"))
                 for name, t in load_file(f, device=str(device)).items()}
-    with torch.device(device):  # so the rotary table is computed where vLLM computes it
+    with torch.device("meta"):  # no memory: the loaded tensors become the parameters (assign)
         model = Qwen3(args, kernels, dtype, activation_checkpointing)
-    try:
-        model.load_state_dict(from_hf_state_dict(hf_state, args), strict=True)
-    except (KeyError, RuntimeError) as e:
-        raise ValueError(f"--model {model_dir}: weights do not match config.json "
-                         f"({str(e).splitlines()[0]})") from e
+    model.load_state_dict(from_hf_state_dict(hf_state, args), strict=True, assign=True)
+    with torch.device(device):  # the rotary table, computed where vLLM computes it
+        model.cos_sin_cache = rope_cos_sin_cache(args, dtype)
     return model
 
 
@@ -781,9 +585,6 @@ class VLLMEngine:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # quiet; =INFO brings vLLM's log back
         import vllm
-        if vllm.__version__ != "0.20.0":
-            raise ValueError(f"vLLM {vllm.__version__} is installed; this script mirrors vLLM 0.20.0's "
-                             "kernels: pip install vllm==0.20.0")
         if os.environ.get("VLLM_BATCH_INVARIANT") == "1":
             install_exact_kernels()
         graphs = {"compilation_config": CUDA_GRAPHS} if cuda_graphs else {"enforce_eager": True}
@@ -876,7 +677,7 @@ def k3_kl(logprobs, other_logprobs) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def grpo_loss(policy: TokenLogprobs, sampler_logprobs, advantages, lengths: list[int], ref_logprobs,
+def grpo_loss(policy: TokenLogprobs, sampler_logprobs, advantages, *, lengths: list[int], ref_logprobs=None,
               n_tokens: int, cfg: Loss) -> tuple[torch.Tensor, dict]:
     """Loss summed / `n_tokens` (the step's: micro-batches add up to its gradient), per-token term sums."""
     # With a correction, the sampler mismatch goes into the weight; PPO's ratio is to the trainer's own: 1.
@@ -886,7 +687,7 @@ def grpo_loss(policy: TokenLogprobs, sampler_logprobs, advantages, lengths: list
     pg_loss = weight * pg_loss
     loss, terms = pg_loss, {"pg_loss": pg_loss, "entropy": policy.entropy, "ratio_mean": ratio,
                             "ratio_clipped_frac": clipped.float(), "correction_weight_mean": weight,
-                            "correction_cut_frac": cut.float(), "correction_weight_sq": weight**2,
+                            "correction_cut_frac": cut.float(), "correction_weight_sq_mean": weight**2,
                             "kept_tokens": policy.kept.float(), "cut_mass": policy.cut_mass}
     if ref_logprobs is not None:
         terms["kl_div"] = k3_kl(policy.logprobs, ref_logprobs)
@@ -903,24 +704,6 @@ def lr_at(step: int, cfg: Optimizer) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def to_host(t: torch.Tensor, wait: bool = True) -> torch.Tensor:
-    """Into pinned memory, reused from copy to copy (fresh pageable memory copied at 1.3 GB/s on an H100).
-    wait=False: the copy is queued on the stream; synchronize before reading it."""
-    if t.is_cuda:
-        t = t.to("cpu", non_blocking=True)  # non_blocking: into PyTorch's cache of pinned host memory
-        if wait:
-            torch.cuda.current_stream().synchronize()
-    return t
-
-
-def to_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A host tensor onto `like`'s GPU, through pinned memory (queued: a pageable copy would block)."""
-    if t.device == like.device:
-        return t
-    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
-    return staged.to(like.device, non_blocking=True)
 
 
 class MasterWeights:
@@ -953,9 +736,14 @@ class MasterWeights:
     @torch.no_grad()
     def fold(p: torch.Tensor) -> None:
         """Add a parameter's bf16 gradient into its fp32 sum, and free it."""
-        grad = local_part(p.grad)
-        p.main_grad = grad.float() if p.main_grad is None else p.main_grad.add_(grad)
+        p.main_grad.add_(local_part(p.grad))
         p.grad = None
+
+    def zero_grads(self) -> None:
+        """Before a step's first micro-batch: its fp32 sums, made at once, so that they lie together in memory
+        and not in the holes the micro-batches' activations leave."""
+        for _, p in self.named:
+            p.main_grad = torch.zeros_like(local_part(p), dtype=torch.float32)
 
     def accumulate_grads(self) -> None:
         """After a micro-batch's backward: the gradients FSDP2 reduce-scattered into the sums."""
@@ -996,7 +784,7 @@ class MasterWeights:
         return float(norm), changes
 
     def stepped_on_host(self, grads: list[torch.Tensor]):
-        """Offload: each master after its AdamW step on the CPU; the next gradient is copied down meanwhile."""
+        """Offload: each master after its AdamW step on the CPU; the next gradient is copied meanwhile."""
         pending = to_host(grads[0], wait=False)
         for i, master in enumerate(self.masters):
             if pending.is_pinned():
@@ -1006,18 +794,6 @@ class MasterWeights:
             self.optimizer.step()  # only this master has a gradient
             master.grad = None
             yield master
-
-
-def weight_deltas(changes: dict, world: World = World()) -> dict:
-    """Per layer, over all ranks: the L2 norm of a step's weight change, and that relative to the weights."""
-    squares = {}
-    for name, square in changes.items():
-        parts = name.split(".")
-        layer = (f"layer_{int(parts[1]):02d}" if parts[0] == "layers" else
-                 {"tok_embeddings": "embeddings", "norm": "final_norm", "output": "lm_head"}[parts[0]])
-        squares[layer] = squares.get(layer, 0) + square
-    totals = world.sum(torch.stack(list(squares.values()))).sqrt().tolist()
-    return {layer: (change, change / size) for layer, (change, size) in zip(squares, totals)}
 
 
 @dataclass
@@ -1030,7 +806,8 @@ class Rollouts:
     advantages: torch.Tensor  # (P * G,)
 
 
-def rollout(engine, tokenizer, rows: list[dict], args: Args, step: int, stop_ids, world: World) -> Rollouts:
+def rollout(engine, tokenizer, rows: list[dict], args: Args, step: int, stop_ids,
+            world: World = World()) -> Rollouts:
     """G seeded samples per question, GSM8K-scored; under torchrun, this rank's share (step-wide seeds)."""
     s, G = args.sampling, args.sampling.samples_per_prompt
     seeds, share = rollout_seeds(args.data.seed, step, len(rows) * G), world.share(len(rows))
@@ -1044,7 +821,8 @@ def rollout(engine, tokenizer, rows: list[dict], args: Args, step: int, stop_ids
     return Rollouts(prompts, completions, logprobs, rewards, advantages)
 
 
-def evaluate(engine, tokenizer, rows: list[dict], max_new_tokens: int, stop_ids, world: World) -> float:
+def evaluate(engine, tokenizer, rows: list[dict], max_new_tokens: int, stop_ids,
+             world: World = World()) -> float:
     """Greedy accuracy of the served policy on GSM8K test questions (each rank answers its share)."""
     mine = rows[world.share(len(rows))]
     completions, _ = engine.generate([r["prompt_ids"] for r in mine], [max_new_tokens] * len(mine), 0.0,
@@ -1055,22 +833,24 @@ def evaluate(engine, tokenizer, rows: list[dict], max_new_tokens: int, stop_ids,
 
 
 @torch.no_grad()
-def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, args: Args, world: World) -> list[torch.Tensor]:
+def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, args: Args,
+                       world: World = World()) -> list[torch.Tensor]:
     """Reference policy logprobs of the sampled tokens for k3 KL (temperature only: KL refuses top-k/p)."""
-    out, device = [], ref_model.cos_sin_cache.device
+    out = []
     for _, batch in packed_micro_batches(rollouts.prompts, rollouts.completions,
-                                         args.engine.max_tokens_per_microbatch, device, world):
+                                         args.engine.max_tokens_per_microbatch, ref_model.device, world):
         out += ref_model(batch, args.sampling.temperature).logprobs.split(batch.completion_lens)
     return out
 
 
 def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts, ref_logprobs, args: Args,
-                      world: World):
+                      world: World = World()):
     """Forward + backward in micro-batches. Returns the loss terms' per-token means and the logprobs per
     sample, which parity checks against vLLM (no extra forward)."""
-    device, s = model.cos_sin_cache.device, args.sampling
+    device, s = model.device, args.sampling
     n_tokens = int(world.sum(torch.tensor(sum(len(c) for c in rollouts.completions), device=device)))
     sums, logprobs = [], []  # per micro-batch, kept on the GPU
+    optimizer.zero_grads()
     for idx, batch in packed_micro_batches(rollouts.prompts, rollouts.completions,
                                            args.engine.max_tokens_per_microbatch, device, world):
         policy = model(batch, s.temperature, s.top_k, s.top_p)
@@ -1078,7 +858,8 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
         advantages = rollouts.advantages[idx].to(device).repeat_interleave(lens)  # a sample's on each token
         sampler = torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)
         ref = None if ref_logprobs is None else torch.cat([ref_logprobs[i] for i in idx])
-        loss, terms = grpo_loss(policy, sampler, advantages, batch.completion_lens, ref, n_tokens, args.loss)
+        loss, terms = grpo_loss(policy, sampler, advantages, lengths=batch.completion_lens, ref_logprobs=ref,
+                                n_tokens=n_tokens, cfg=args.loss)
         loss.backward()
         optimizer.accumulate_grads()
         sums.append(terms)
@@ -1087,21 +868,23 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     # reciprocal, turning a ratio sum of exactly n_tokens into a mean one ulp below 1.
     totals = world.sum(torch.stack([torch.stack(list(t.values())) for t in sums]).sum(0)).tolist()
     metrics = {name: total / n_tokens for name, total in zip(sums[0], totals)}
-    weight_sq = metrics.pop("correction_weight_sq")  # ESS as a fraction of tokens: 1 if weights equal
-    metrics["correction_ess"] = metrics["correction_weight_mean"] ** 2 / weight_sq if weight_sq else 0.0
+    weight, weight_sq = metrics["correction_weight_mean"], metrics["correction_weight_sq_mean"]
+    metrics["correction_ess"] = weight**2 / weight_sq if weight_sq else 0.0  # Kish's: 1 if all weights equal
     if s.top_k == 0 and s.top_p == 1:  # every token kept: nothing to report
         del metrics["kept_tokens"], metrics["cut_mass"]
     return metrics, list(torch.cat(logprobs).cpu().split([len(c) for c in rollouts.completions]))
 
 
-def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Args, world: World) -> float:
+def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Args,
+             world: World = World()) -> float:
     """One SFT warm-start step on the reference answers (GRPO's forward). Returns the mean token loss."""
-    device, rows = model.cos_sin_cache.device, rows[world.share(len(rows))]
+    rows = rows[world.share(len(rows))]
     prompts, answers = [r["prompt_ids"] for r in rows], [r["answer_ids"] for r in rows]
     n_tokens = int(world.sum(torch.tensor(sum(len(a) for a in answers))))
     total = 0.0
-    for _, batch in packed_micro_batches(prompts, answers, args.engine.max_tokens_per_microbatch, device,
-                                         world):
+    optimizer.zero_grads()
+    budget = args.engine.max_tokens_per_microbatch
+    for _, batch in packed_micro_batches(prompts, answers, budget, model.device, world):
         loss = -model(batch).logprobs.sum() / n_tokens
         loss.backward()
         optimizer.accumulate_grads()
@@ -1116,31 +899,9 @@ class ParityError(Exception):
 
 
 Mismatch = NamedTuple("Mismatch", [("message", str), ("sample", int), ("token", int)])
-SAMPLER_PROBABILITY_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
-
-
-def fp32_hex(x: float) -> str:
-    """The fp32 bit pattern: two logprobs one ulp apart print differently (bf16 would hide it)."""
-    return f"0x{int(torch.tensor(x, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF:08x}"
-
-
-def mismatch_by_probability(v: torch.Tensor, t: torch.Tensor) -> dict:
-    """Per non-empty bucket of sampler probability (mismatch grows as it goes to 0): mean |logprob diff|,
-    k3 KL and token share."""
-    p, metrics, edges = v.exp(), {}, SAMPLER_PROBABILITY_BUCKETS
-    for low, high in zip(edges, edges[1:]):
-        tokens = (p >= low) & ((p < high) if high < 1 else (p <= high))
-        if tokens.any():
-            name = f"p_{low:g}-{high:g}"
-            metrics[f"{name}/mean_abs_logprob_diff"] = float((v[tokens] - t[tokens]).abs().mean())
-            metrics[f"{name}/vllm_kl"] = float(k3_kl(v[tokens], t[tokens]).mean())
-            metrics[f"{name}/token_frac"] = float(tokens.float().mean())
-    return metrics
-
-
-def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch.Tensor],
-                  tokens: list[list[int]], show: int, world: World) -> tuple[dict, str, Mismatch | None]:
-    """Compare logprobs by fp32 bits. Returns metrics, a printable report and the first Mismatch or None."""
+def compare_bits(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch.Tensor],
+                 tokens: list[list[int]], world: World = World()) -> tuple[dict, Mismatch | None]:
+    """Compare logprobs by fp32 bits. Returns metrics and the first Mismatch, or None."""
     v, t = torch.cat(vllm_logprobs), torch.cat(trainer_logprobs)
     differ = v.view(torch.int32) != t.view(torch.int32)
     mismatched = int(differ.sum())
@@ -1149,29 +910,580 @@ def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torc
                "vllm_kl": float(k3_kl(v, t).mean()),  # KL(sampler || trainer), from the sampler's tokens
                "sampler_perplexity": math.exp(-float(v.mean())),
                "trainer_perplexity": math.exp(-float(t.mean()))} | mismatch_by_probability(v, t)
-    header = ("token", "vllm logprob", "trainer logprob", "vllm fp32 bits", "trainer fp32 bits", "diff")
-    lines = ["  {:>8} {:>16} {:>16} {:>14} {:>17} {:>10}".format(*header)]
-    for tok, a, b in list(zip(tokens[0], vllm_logprobs[0].tolist(), trainer_logprobs[0].tolist()))[:show]:
-        lines.append(f"  {tok:>8} {a:>16.9f} {b:>16.9f} {fp32_hex(a):>14} {fp32_hex(b):>17} {b - a:>10.3g}")
-    lines.append(f"  Bitwise identical: {mismatched == 0}, different tokens {mismatched} / {len(v)}")
-    report = "\n".join(lines if show else lines[-1:])
     if not mismatched:
-        return metrics, report, None
+        return metrics, None
     flat = int(differ.nonzero()[0])
     ends = torch.tensor([len(x) for x in vllm_logprobs]).cumsum(0)
     sample = int((ends <= flat).sum())
     token = flat - (int(ends[sample - 1]) if sample else 0)
     where = f" (sampled on rank {sample * world.size // len(tokens)})" if world.size > 1 else ""
-    first = Mismatch(f"sample {sample}{where} token {token} (id {tokens[sample][token]}): vLLM logprob "
-                     f"{float(v[flat])!r} but trainer {float(t[flat])!r}; {mismatched} of {len(v)} sampled "
-                     "tokens differ", sample, token)
-    return metrics, report, first
+    message = (f"sample {sample}{where} token {token} (id {tokens[sample][token]}): vLLM logprob "
+               f"{float(v[flat])!r} but trainer {float(t[flat])!r}; {mismatched} of {len(v)} sampled tokens "
+               "differ")
+    return metrics, Mismatch(message, sample, token)
 
 
-# ===== Several GPUs (torchrun): data parallel, FSDP2-sharded trainer =====
+def on_mismatch(first: Mismatch, engine, model: Qwen3, rollouts: Rollouts, parity: dict, step: int,
+                args: Args, writer, world: World) -> None:
+    """Where the bits part: the first mismatching sample run through both sides with the weights that sampled
+    it (none updated yet), op by op. With --assert-bitwise, the run stops there (exit status 1)."""
+    engine.sync_weights(model, world, changed=False)
+    sample = rollouts.prompts[first.sample] + rollouts.completions[first.sample][: first.token]
+    where = find_first_divergence(engine, model, sample)
+    message = f"step {step}: {first.message}; first divergence: {where}"
+    if args.parity.assert_bitwise:
+        log_step(writer, step, {f"parity/{k}": v for k, v in parity.items()}, "parity broken", world)
+        raise ParityError(message)
+    log_line(message, world)
+    engine.sleep()  # the trainer goes on
+
+
+# ===== The loop, and main() =====
+def reference_policy(model: Qwen3, world: World = World()) -> Qwen3:
+    with torch.device(model.device):
+        ref_model = Qwen3(model.args, model.kernels, model.tok_embeddings.weight.dtype).requires_grad_(False)
+    with torch.no_grad():
+        for p, ref in zip(model.parameters(), ref_model.parameters(), strict=True):
+            ref.copy_(gathered(p))  # one gathered weight at a time
+    return shard_model(ref_model, world) if world.size > 1 else ref_model
+
+
+def warm_start(model: Qwen3, inputs, order: list[int], args: Args, world: World = World()) -> None:
+    """--sft-steps of SFT on reference answers (own optimizer); TensorBoard run <run_name>/warm_start."""
+    from torch.utils.tensorboard import SummaryWriter
+    # Answers as the model should write them after the prompt, then an end of sequence (<|im_end|> in chat).
+    plain = args.data.prompt_format == "plain" or inputs.tokenizer.chat_template is None
+    for r in inputs.train_rows:
+        answer = inputs.tokenizer.encode((" " if plain else "") + r["answer"], add_special_tokens=False)
+        r["answer_ids"] = answer + [inputs.tokenizer.eos_token_id or inputs.stop_ids[0]]
+    optimizer = MasterWeights(model, args.warm_start.sft_lr, args.optimizer.weight_decay,
+                              args.engine.offload_optimizer)
+    writer = SummaryWriter(str(Path("runs") / args.run.run_name / "warm_start")) if world.is_main else None
+    for step in progress_bar(range(args.warm_start.sft_steps), "warm start", world):
+        rows = step_rows(inputs.train_rows, order, step, args.warm_start.sft_batch_size)
+        loss = sft_step(model, optimizer, rows, args, world)
+        if world.is_main:
+            writer.add_scalar("sft/loss", loss, step)
+    if world.is_main:
+        writer.close()
+
+
+def grpo(args: Args, engine, model: Qwen3, inputs, order: list[int], writer, world: World = World()) -> None:
+    """vLLM samples (the trainer's state waits in memory), sleeps while the trainer trains on the samples,
+    wakes with the new weights."""
+    s, o, run = args.sampling, args.optimizer, args.run
+    ref_model = reference_policy(model, world) if args.loss.kl_coef > 0 else None  # KL to GRPO's start
+    optimizer = MasterWeights(model, o.lr, o.weight_decay, args.engine.offload_optimizer)
+    totals = {"tokens_checked": 0, "mismatched_tokens": 0}
+    if inputs.start_step:
+        totals = restore_training_state(inputs.model_dir, optimizer, ref_model, args, world)
+    if run.eval_every and inputs.start_step % run.eval_every == 0:  # before training, or a resume when due
+        log_eval(engine, inputs, args, inputs.start_step, writer, world)
+    for step in progress_bar(range(inputs.start_step, o.steps), "GRPO", world):
+        times, memory = {}, {}
+        with phase("generate", times, memory):
+            rows = step_rows(inputs.train_rows, order, step, s.prompts_per_step)
+            rollouts = rollout(engine, inputs.tokenizer, rows, args, step, inputs.stop_ids, world)
+        with phase("train", times, memory):
+            engine.sleep()
+            ref_logprobs = None if ref_model is None else reference_logprobs(ref_model, rollouts, args, world)
+            metrics, logprobs = train_on_rollouts(model, optimizer, rollouts, ref_logprobs, args, world)
+            rollouts, logprobs = whole_step(rollouts, logprobs, world)  # every rank's samples
+            parity, first = compare_bits(rollouts.vllm_logprobs, logprobs, rollouts.completions, world)
+            log_parity(step, rollouts, logprobs, parity, args.parity.parity_report_tokens, world)
+            if first and (args.parity.assert_bitwise or args.parity.locate_divergence):
+                on_mismatch(first, engine, model, rollouts, parity, step, args, writer, world)
+            grad_norm, changes = optimizer.step(lr := lr_at(step, o), o.max_grad_norm, world)
+            deltas = weight_deltas(changes, world)
+        with phase("push", times, memory):
+            engine.sync_weights(model, world, changed=any(magnitude for magnitude, _ in deltas.values()))
+        totals["tokens_checked"] += sum(len(c) for c in rollouts.completions)
+        totals["mismatched_tokens"] += parity["mismatched_tokens"]
+        scalars = step_scalars(rollouts, metrics, parity, grad_norm, lr, deltas, times, memory)
+        log_step(writer, step, scalars, step_line(step, scalars, times, memory), world)
+        last = step == o.steps - 1
+        if run.eval_every and ((step + 1) % run.eval_every == 0 or last):
+            log_eval(engine, inputs, args, step + 1, writer, world)
+        if run.save_every >= 0 and (last or run.save_every and (step + 1) % run.save_every == 0):
+            save_checkpoint(model, optimizer, ref_model, inputs, args, step + 1, totals, writer, world)
+    if world.is_main:  # the run's certificate of exactness
+        record = json.dumps(parity_record(args, model, totals), indent=2)
+        (Path(writer.log_dir) / "parity.json").write_text(record)
+
+
+def main(args: Args, device: str = "cuda", engine_class=VLLMEngine) -> Path:
+    """Train; returns the run's TensorBoard directory. Tests give another `engine_class` (a CPU stand-in)."""
+    args = check_args(args, torchrun_rank_and_size()[1])
+    inputs = load_inputs(args)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
+    world = init_distributed(device)
+    if device == "cuda":  # before vLLM starts: a model that cannot fit is refused, not run out of memory
+        check_gpu_memory(inputs.model_args, args, world)
+    random.seed(args.data.seed)  # the loop draws from no global generator: seeded (and saved) for additions
+    torch.manual_seed(args.data.seed)
+    # torchrun: an engine a rank (vLLM's external launcher, no vLLM data parallelism) samples alone.
+    parallel = {"distributed_executor_backend": "external_launcher"} if world.size > 1 else {}
+    engine = engine_class(inputs.model_dir, args.engine.vllm_gpu_memory,  # first: claims an empty GPU
+                          args.data.max_prompt_tokens + args.sampling.max_new_tokens, args.data.seed,
+                          cuda_graphs=args.engine.vllm_cuda_graphs, **parallel)
+    model = load_qwen3(inputs.model_dir, device,
+                       activation_checkpointing=args.engine.activation_checkpointing)
+    if world.size > 1:
+        shard_model(model, world)
+    engine.check_weights(model, world)
+    writer = open_tensorboard(args, inputs.start_step) if world.is_main else None
+    order = list(range(len(inputs.train_rows)))
+    random.Random(args.data.seed).shuffle(order)
+    if args.warm_start.sft_steps and not args.run.resume:  # a resumed run's weights are warm already
+        engine.sleep()
+        warm_start(model, inputs, order, args, world)
+        engine.sync_weights(model, world, changed=True)
+    try:
+        grpo(args, engine, model, inputs, order, writer, world)
+    finally:
+        if world.is_main:
+            writer.close()  # also on a parity error: the failing step's parity scalars reach the disk
+    return Path("runs") / args.run.run_name
+
+
+# ===== Plumbing: flag and input checks, memory plan, several GPUs, checkpoints, logging, the locator =====
+# ----- Flag and input checks: each fails in one line (UsageError), before anything slow -----
+def meta_qwen3(args) -> Qwen3:
+    """A Qwen3 of this shape that takes no memory: its parameters' names and sizes."""
+    with torch.device("meta"):
+        return Qwen3(args)
+
+
+def existing_parent(path: Path) -> Path:
+    return next(p for p in (path, *path.absolute().parents) if p.exists())
+
+
+def check_resume(args: Args) -> tuple[Args, int]:
+    """The args of a resumed run (its name kept) and its step; names every flag contradicting the run."""
+    saved, step = saved_run(Path(args.run.resume))
+    values = [(name, getattr(given, name), getattr(had, name)) for group in dataclasses.fields(Args)
+              for given, had in [(getattr(args, group.name), getattr(saved, group.name))]
+              for name, hint in typing.get_type_hints(type(given), include_extras=True).items()
+              if FIXED in getattr(hint, "__metadata__", ())]
+    clashes = [f"{flag(name)} {given!r} (the run has {had!r})" for name, given, had in values if given != had
+               and not (isinstance(given, str) and isinstance(had, str) and os.path.exists(given)
+                        and os.path.exists(had) and os.path.samefile(given, had))]  # a path, spelt otherwise
+    if clashes:
+        raise UsageError(f"--resume {args.run.resume}: {', '.join(clashes)} contradict the run it continues; "
+                         "leave them out to continue it as it was")
+    if step >= args.optimizer.steps:
+        raise UsageError(f"--resume {args.run.resume}: the run is at step {step} already; pass a larger "
+                         "--steps to train on")
+    return dataclasses.replace(args, run=dataclasses.replace(args.run, run_name=saved.run.run_name)), step
+
+
+def check_output(run: Run) -> None:
+    """runs/<run_name> and <output_dir>/<run_name> can be written, and a new run overwrites nothing."""
+    if not re.fullmatch(r"[\w.-]+", run.run_name) or run.run_name in (".", ".."):
+        raise UsageError(f"--run-name {run.run_name!r}: give a plain name (letters, digits, '.', '-', '_'): "
+                         "it names the folders runs/<name> and <output-dir>/<name>")
+    for root, what in ((Path(run.output_dir), "--output-dir"), (Path("runs"), "TensorBoard's runs/")):
+        existing = existing_parent(root)
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise UsageError(f"{what} {root}: {existing} is not a writable directory")
+        if not run.resume and (root / run.run_name).exists():
+            raise UsageError(f"--run-name {run.run_name}: {root / run.run_name} exists already; pick another "
+                             "name, or --resume one of its checkpoints")
+
+
+def check_args(args: Args, world_size: int) -> Args:
+    """Fails on flags that contradict each other, the environment or the output paths (each number's range is
+    checked as it is parsed); sets the run name (a timestamp) and warm-up <= steps."""
+    data, s, loss, o, e, r = args.data, args.sampling, args.loss, args.optimizer, args.engine, args.run
+    invariant, sequence = os.environ.get("VLLM_BATCH_INVARIANT"), data.max_prompt_tokens + s.max_new_tokens
+    checks = [
+        (s.samples_per_prompt >= 2, "--samples-per-prompt must be at least 2: GRPO normalises rewards "
+                                    "within each group"),
+        (0 < s.top_p <= 1, "--top-p must be in (0, 1] (1 keeps every token)"),
+        (loss.kl_coef == 0 or (s.top_k == 0 and s.top_p == 1), "--kl-coef must be 0 with --top-k or --top-p: "
+         "a sampled token can lie outside the reference policy's kept set, where the KL is infinite"),
+        (0 <= o.min_lr_ratio <= 1, "--min-lr-ratio must be between 0 and 1"),
+        (r.save_every >= -1, "--save-every must be >= -1 (0: a checkpoint after the last step only; -1: no)"),
+        (0 <= loss.correction_min < loss.correction_max, "need 0 <= --correction-min < --correction-max"),
+        (e.max_tokens_per_microbatch >= sequence, "--max-tokens-per-microbatch must hold one whole sequence "
+         "(>= --max-prompt-tokens + --max-new-tokens)"),
+        (0 < e.vllm_gpu_memory < 1, "--vllm-gpu-memory must be a fraction between 0 and 1"),
+        (not (data.dataset and r.eval_every and not data.eval_dataset),
+         "--dataset is local: pass --eval-dataset (a local test jsonl) too, or --eval-every 0"),
+        (invariant in (None, "0", "1"), f"VLLM_BATCH_INVARIANT is {invariant!r}, but vLLM reads it as an "
+         "integer: set VLLM_BATCH_INVARIANT=1"),
+        (not args.parity.assert_bitwise or invariant == "1",
+         f"VLLM_BATCH_INVARIANT is {invariant or 'not set'}, so vLLM's logprobs cannot equal the trainer's: "
+         "set VLLM_BATCH_INVARIANT=1, or pass --no-assert-bitwise to run anyway and report the mismatch"),
+        *[(n % world_size == 0, f"{name} {n} must be a multiple of the {world_size} processes")
+          for name, n in (("--prompts-per-step", s.prompts_per_step),
+                          ("--sft-batch-size", args.warm_start.sft_batch_size))],
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UsageError(message)
+    if r.resume:
+        args, _ = check_resume(args)
+    elif r.run_name is None:
+        name = time.strftime("grpo_%Y%m%d_%H%M%S")
+        args = dataclasses.replace(args, run=dataclasses.replace(r, run_name=name))
+    check_output(args.run)
+    if o.warmup_steps > o.steps:
+        print(f"note: --warmup-steps {o.warmup_steps} is more than --steps {o.steps}: the learning rate "
+              f"warms up over all {o.steps} steps")
+        args = dataclasses.replace(args, optimizer=dataclasses.replace(o, warmup_steps=o.steps))
+    return args
+
+
+def rope_parameters(config: dict) -> dict:
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
+def read_config(model_dir: Path) -> dict:
+    """A checkpoint's config.json, refused in one line (naming the file) if it cannot describe a Qwen3."""
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path}: a JSON object of the model's settings was expected")
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "intermediate_size", "rms_norm_eps", "max_position_embeddings")
+    missing = [key for key in keys if not isinstance(config.get(key), (int, float))]
+    if config.get("model_type") != "qwen3" or missing:
+        what = f"no {', '.join(missing)}" if missing else f"model_type is {config.get('model_type')!r}"
+        raise UsageError(f"{path}: {what}; this trainer needs a Hugging Face Qwen3 config")
+    rope = rope_parameters(config)
+    unsupported = {"hidden_act": config.get("hidden_act", "silu") != "silu",
+                   "attention_bias": bool(config.get("attention_bias", False)),
+                   "rope scaling": rope.get("rope_type", rope.get("type", "default")) != "default",
+                   "sliding window": bool(config.get("use_sliding_window", False))}
+    for name, bad in unsupported.items():
+        if bad:
+            raise UsageError(f"{path}: {name} is not supported by this trainer (plain Qwen3 only)")
+    return config
+
+
+def check_checkpoint(model_dir: Path, args) -> None:
+    from safetensors import SafetensorError, safe_open  # headers only: fail before anything slow starts
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"--model {model_dir}: no *.safetensors weights in the directory")
+    found = {}  # name -> (shape, dtype)
+    for f in files:
+        try:
+            with safe_open(f, "pt") as weights:
+                found |= {name: (tuple(weights.get_slice(name).get_shape()),
+                                 weights.get_slice(name).get_dtype()) for name in weights.keys()}
+        except SafetensorError as e:
+            raise UsageError(f"--model {model_dir}: {f.name} is not a whole safetensors file ({e}); download "
+                             "or save it again") from None
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in hf_weights(Qwen3(args))}
+    if args.enable_weight_tying:
+        found.pop("lm_head.weight", None)  # some tied checkpoints store the head too; it is the embedding
+    problems = [f"missing {name}" for name in sorted(expected.keys() - found.keys())]
+    problems += [f"unexpected {name}" for name in sorted(found.keys() - expected.keys())]
+    problems += [f"{name} is {list(found[name][0])}, config.json needs {list(shape)}"
+                 for name, shape in expected.items() if name in found and found[name][0] != shape]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise UsageError(f"--model {model_dir}: the weights do not match config.json: "
+                         + "; ".join(problems[:3]) + more)
+    other = sorted({dtype for _, dtype in found.values()} - {"BF16"})
+    if other:  # vLLM would serve them rounded to bf16, the trainer would train other weights
+        raise UsageError(f"--model {model_dir}: the weights are {', '.join(other)}; both sides run bf16 "
+                         "weights: save the checkpoint in bfloat16")
+
+
+def read_gsm8k_jsonl(path: str) -> list[dict]:
+    """[{question, answer}] of a local GSM8K-format jsonl, each line checked."""
+    if not Path(path).is_file():
+        raise UsageError(f"{path}: {'a directory' if Path(path).is_dir() else 'no such file'} (expected a "
+                         "GSM8K-format jsonl file)")
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not UTF-8 text (save the jsonl as UTF-8)") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise UsageError(f"{path} line {n}: not valid JSON") from None
+        if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))):
+            raise UsageError(f"{path} line {n}: need a JSON object with string fields 'question', 'answer'")
+        # GSM8K's answers end in '#### N': a bare last number would be a guess at the answer.
+        if not ANSWER_AFTER_HASHES.search(row["answer"]):
+            raise UsageError(f"{path} line {n}: the answer does not end in '#### N' with N a number "
+                             "(GSM8K's format)")
+        rows.append({"question": row["question"], "answer": row["answer"]})
+    if not rows:
+        raise UsageError(f"{path}: no examples")
+    return rows
+
+
+def encoded_split(path: str | None, split: str, name: str, tokenizer, data: Data) -> list[dict]:
+    """A split's questions tokenised (`encode_dataset`), saying how many prompts were too long."""
+    if path is None:
+        try:
+            rows = load_gsm8k(split)
+        except Exception as e:
+            raise UsageError(f"cannot load openai/gsm8k from the hub ({type(e).__name__}): pass --dataset "
+                             "and --eval-dataset with local jsonl files") from e
+    else:
+        rows = read_gsm8k_jsonl(path)
+    kept = encode_dataset(rows, tokenizer, data)
+    if not kept:
+        raise UsageError(f"{name}: every prompt exceeds --max-prompt-tokens {data.max_prompt_tokens}")
+    if len(kept) < len(rows):
+        print(f"{name}: {len(rows) - len(kept)} of {len(rows)} prompts exceed --max-prompt-tokens "
+              f"{data.max_prompt_tokens} and are skipped")
+    return kept
+
+
+def resolve_model_dir(model: str) -> Path:
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--model {model}: the directory has no config.json (need a Hugging Face Qwen3 "
+                             "checkpoint)")
+        return path
+    if path.exists() or model.startswith((".", "/")) or model.count("/") != 1:
+        raise UsageError(f"--model {model}: not a checkpoint directory, nor a hub id like Qwen/Qwen3-1.7B")
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as e:
+        raise UsageError(f"--model {model}: cannot download it from the hub ({type(e).__name__}); pass a "
+                         "local checkpoint directory") from e
+
+
+def end_of_sequence_ids(tokenizer, model_dir: Path) -> list[int]:
+    eos = read_config(model_dir).get("eos_token_id")
+    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+    if not ids:
+        raise UsageError(f"{model_dir}: neither the tokenizer nor config.json names an end-of-sequence token")
+    return sorted(ids)
+
+
+def warn_if_short_of_disk(args: Args, model_args) -> None:
+    """Checkpoints take 16 bytes a parameter (bf16, fp32 master, 2 AdamW moments), 18 with a reference."""
+    need = sum(p.numel() for p in meta_qwen3(model_args).parameters()) * (18 if args.loss.kl_coef else 16)
+    root = Path(args.run.output_dir)
+    free = shutil.disk_usage(existing_parent(root)).free
+    if free < need:
+        print(f"warning: {root} has {free / 2**30:.1f} GiB free; a checkpoint of this model needs about "
+              f"{need / 2**30:.1f} GiB")
+
+
+@dataclass
+class Inputs:
+    """Everything read before the engine starts: a bad input fails before anything slow."""
+    model_dir: Path  # the checkpoint both sides load: --model, or the one --resume continues from
+    model_args: object  # its shape (torchtitan's Qwen3ModelArgs)
+    start_step: int  # GRPO steps already made: 0, or the resumed checkpoint's step
+    tokenizer: object
+    stop_ids: list[int]
+    train_rows: list[dict]
+    eval_rows: list[dict]
+
+
+def load_inputs(args: Args) -> Inputs:
+    from importlib.metadata import version
+    from transformers import AutoTokenizer
+    if version("vllm") != "0.20.0":
+        raise UsageError(f"vLLM {version('vllm')} is installed; this script mirrors vLLM 0.20.0's kernels: "
+                         "pip install vllm==0.20.0")
+    model_dir = Path(args.run.resume) if args.run.resume else resolve_model_dir(args.data.model)
+    model_args = model_args_from_hf_config(read_config(model_dir))
+    longest = args.data.max_prompt_tokens + args.sampling.max_new_tokens
+    if longest > model_args.max_seq_len:
+        raise UsageError(f"--max-prompt-tokens + --max-new-tokens = {longest}, but the model has "
+                         f"{model_args.max_seq_len} positions ({model_dir}/config.json: "
+                         "max_position_embeddings)")
+    try:
+        check_bitwise_head_dim(model_args.head_dim, longest, model_dir)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    check_checkpoint(model_dir, model_args)
+    if args.run.save_every >= 0:
+        warn_if_short_of_disk(args, model_args)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:
+        raise UsageError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0]})") from e
+    if not 1 < len(tokenizer) <= model_args.vocab_size:  # transformers makes a 1-token one with no files
+        raise UsageError(f"--model {model_dir}: its tokenizer has {len(tokenizer)} token(s) for a vocabulary "
+                         f"of {model_args.vocab_size} (tokenizer files missing, or from another model)")
+    if args.data.prompt_format == "chat" and tokenizer.chat_template is None:
+        raise UsageError("--prompt-format chat: this tokenizer has no chat template; use plain or auto")
+    train_rows = encoded_split(args.data.dataset, "train", "train set", tokenizer, args.data)
+    eval_rows = encoded_split(args.data.eval_dataset, "test", "eval set", tokenizer, args.data) \
+        if args.run.eval_every else []
+    return Inputs(model_dir, model_args, saved_run(model_dir)[1] if args.run.resume else 0, tokenizer,
+                  end_of_sequence_ids(tokenizer, model_dir), train_rows, eval_rows[: args.run.eval_samples])
+
+
+# ----- The memory plan: what each GPU holds, checked before vLLM starts -----
+GiB = 2**30
+# Besides the tensors counted below (measured on an H100, tests/test_gpu_memory.py): the CUDA context with its
+# kernels' workspaces; what a sleeping engine keeps (its CUDA graphs' pool, sampler buffers); what vLLM needs
+# to start besides its weights and a sequence's KV cache (activations while it profiles, graphs); a process's
+# host memory besides an offloaded optimizer (torch, vLLM, pinned staging).
+CUDA_CONTEXT_BYTES = 0.75 * GiB
+VLLM_ASLEEP_BYTES = 1.0 * GiB
+VLLM_SAMPLER_BYTES = 1.0 * GiB  # outside vLLM's share: its sampler's temporaries over the vocabulary
+VLLM_WORKING_BYTES = 3.0 * GiB
+HOST_BYTES_PER_PROCESS = 8.0 * GiB
+USABLE = 0.97  # of the GPU's memory
+# PyTorch's caching allocator keeps blocks that micro-batches freed but split (measured: a third of a
+# micro-batch's bytes while training, a tenth to a seventh of them beside vLLM).
+CACHED_WHILE_TRAINING, CACHED_WHILE_GENERATING = 0.35, 0.15
+CACHED_BESIDE_GRADIENTS = 0.25  # and a quarter of the fp32 gradient sums' size while training (8B shape)
+
+
+def parameter_counts(model_args) -> tuple[int, int]:
+    """(parameters in all, in one transformer block)."""
+    model = meta_qwen3(model_args)
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.layers[0].parameters())
+
+
+def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int) -> dict[str, dict[str, float]]:
+    """Bytes one GPU holds at the peak of each phase, by what holds them: while vLLM generates (the trainer's
+    state waits), while the trainer runs a micro-batch (vLLM asleep), and while AdamW steps. FSDP2 shards the
+    trainer over torchrun's `gpus` processes; each runs a whole vLLM engine."""
+    e, (n, block) = args.engine, parameter_counts(model_args)
+    shard, on_gpu = n / gpus, 0 if e.offload_optimizer else 1
+    state = {"bf16 weights": 2 * shard, "fp32 masters": 4 * shard * on_gpu,
+             "AdamW moments": 8 * shard * on_gpu}
+    if args.loss.kl_coef:
+        state["reference policy"] = 2 * shard
+    fsdp = {}  # FSDP2: the root (embedding, lm_head), two blocks, a block's gradient reduced in fp32
+    if gpus > 1:
+        fsdp["gathered by FSDP2"] = 2 * (n - model_args.n_layers * block) + 4 * block + 6 * block
+    context, asleep = {"CUDA context": CUDA_CONTEXT_BYTES}, {"vLLM asleep": VLLM_ASLEEP_BYTES}
+    grads = {"fp32 gradient sums": 4 * shard}
+    # bf16 gradients: one at a time (the embedding's the largest), under FSDP2 this rank's shards of them all
+    bf16_grads = 2 * (shard if gpus > 1 else model_args.vocab_size * model_args.dim)
+    micro_batch = micro_batch_bytes(model_args, e.max_tokens_per_microbatch, e.activation_checkpointing,
+                                    bf16_grads)
+    return {
+        "generating": context | {"vLLM": e.vllm_gpu_memory * gpu_bytes + VLLM_SAMPLER_BYTES} | state
+        | {"PyTorch's cache": CACHED_WHILE_GENERATING * micro_batch},
+        "training": context | asleep | state | fsdp | grads | {
+            "activations, bf16 gradients": micro_batch,
+            "PyTorch's cache": CACHED_WHILE_TRAINING * micro_batch + CACHED_BESIDE_GRADIENTS * 4 * shard},
+        # foreach AdamW makes one temporary of a moment's size (offloaded, AdamW steps on the CPU)
+        "the optimizer step": context | asleep | state | grads | {"AdamW's temporary": 4 * shard * on_gpu},
+    }
+
+
+def memory_problem(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None):
+    """What does not fit in the GPU's `gpu_bytes`, or in `host` = (bytes available, processes sharing them)
+    with an offloaded optimizer; None if everything fits."""
+    a, e, (n, _) = model_args, args.engine, parameter_counts(model_args)
+    sequence = args.data.max_prompt_tokens + args.sampling.max_new_tokens
+    vllm = 2 * n + 2 * 2 * a.n_layers * a.n_kv_heads * a.head_dim * sequence + VLLM_WORKING_BYTES
+    if vllm > e.vllm_gpu_memory * gpu_bytes:
+        return (f"vLLM's share (--vllm-gpu-memory {e.vllm_gpu_memory:g}: "
+                f"{e.vllm_gpu_memory * gpu_bytes / GiB:.1f} GiB) cannot hold its weights, a sequence's KV "
+                f"cache and its workspace ({vllm / GiB:.1f} GiB)")
+    for stage, parts in memory_plan(model_args, args, gpus, gpu_bytes).items():
+        if sum(parts.values()) > USABLE * gpu_bytes:
+            largest = sorted(parts.items(), key=lambda part: -part[1])[:4]
+            return (f"{stage} needs {sum(parts.values()) / GiB:.1f} of the GPU's {gpu_bytes / GiB:.1f} GiB ("
+                    + ", ".join(f"{what} {size / GiB:.1f}" for what, size in largest) + ")")
+    if e.offload_optimizer and host is not None:
+        available, processes = host
+        needs = processes * (12 * n / gpus + HOST_BYTES_PER_PROCESS)
+        if needs > available:
+            return (f"--offload-optimizer needs {needs / GiB:.1f} GiB of host memory, "
+                    f"{available / GiB:.1f} GiB are available")
+    return None
+
+
+def check_memory(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None) -> None:
+    """Refuses a run that would run out of GPU (or host) memory, naming changes with which it would fit."""
+    problem = memory_problem(model_args, args, gpus, gpu_bytes, host)
+    if problem is None:
+        return
+    e = args.engine
+
+    def engine(**changes) -> Args:
+        return dataclasses.replace(args, engine=dataclasses.replace(e, **changes))
+    shortest, tokens = args.data.max_prompt_tokens + args.sampling.max_new_tokens, e.max_tokens_per_microbatch
+    kinds = [  # each kind of change, from the least to the most
+        [("--activation-checkpointing", engine(activation_checkpointing=True), gpus)],
+        [(f"--max-tokens-per-microbatch {t}", engine(max_tokens_per_microbatch=t), gpus)
+         for t in (tokens // 2, tokens // 4) if t >= shortest],
+        [("--offload-optimizer", engine(offload_optimizer=True), gpus),
+         ("--offload-optimizer --activation-checkpointing",
+          engine(offload_optimizer=True, activation_checkpointing=True), gpus)],
+        [(f"--vllm-gpu-memory {share:g}", engine(vllm_gpu_memory=share), gpus)
+         for share in (0.4, 0.3) if share < e.vllm_gpu_memory],
+        [(f"torchrun --nproc-per-node {n}{flag}", changed, n) for n in (2, 4, 8) if n > gpus
+         for flag, changed in (("", args), (" --activation-checkpointing",
+                                            engine(activation_checkpointing=True)))],
+    ]
+    fits = [next((what for what, changed, n in kind if not memory_problem(
+        model_args, changed, n, gpu_bytes, host and (host[0], host[1] * n // gpus))), None) for kind in kinds]
+    fits = [what for what in fits if what][:3]
+    raise UsageError(f"{parameter_counts(model_args)[0] / 1e9:.2f}B parameters do not fit: {problem}; "
+                     + (f"it would fit with {' or '.join(fits)}" if fits else "no one change makes it fit"))
+
+
+def check_gpu_memory(model_args, args: Args, world: World) -> None:
+    """`check_memory` on this rank's GPU and host; prints the plan once."""
+    gpu_bytes = torch.cuda.mem_get_info()[1]
+    try:
+        available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
+                         if line.startswith("MemAvailable"))
+        host = (available, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except (OSError, StopIteration):  # not Linux: the host is not checked
+        host = None
+    check_memory(model_args, args, world.size, gpu_bytes, host)
+    if world.is_main:
+        peaks = [f"{stage} {sum(parts.values()) / GiB:.1f}"
+                 for stage, parts in memory_plan(model_args, args, world.size, gpu_bytes).items()]
+        print(f"GPU memory planned, GiB of {gpu_bytes / GiB:.1f}: {', '.join(peaks)}")
+
+
+# ----- Several GPUs (torchrun): data parallel, FSDP2-sharded trainer -----
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # a whole DTensor: every rank must call this
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # this rank's shard of a sharded tensor
+
+
+def gather(x: torch.Tensor, world: World) -> torch.Tensor:
+    """Every rank's 1-D tensor (lengths may differ) in rank order; not pickled: that took 0.4-0.8 s."""
+    if world.size == 1:
+        return x
+    device = world._device()
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world.size)]
+    dist.all_gather(lengths, torch.tensor([len(x)], device=device))
+    lengths = [int(n) for n in lengths]
+    parts = [torch.empty(max(lengths), dtype=x.dtype, device=device) for _ in range(world.size)]
+    dist.all_gather(parts, F.pad(x.to(device), (0, max(lengths) - len(x))))  # padded: equal sizes
+    return torch.cat([part[:n] for part, n in zip(parts, lengths)]).to(x.device)
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()
+
+
 def init_distributed(device: str) -> World:
     """Under torchrun (WORLD_SIZE > 1) join the process group (NCCL, or gloo on CPU) on this rank's GPU."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
+    size = torchrun_rank_and_size()[1]
     if size > 1 and not dist.is_initialized():
         if device == "cuda":
             gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -1189,7 +1501,7 @@ def shard_model(model: Qwen3, world: World) -> Qwen3:
     reduce-scatter as fp32 sums, not means: the loss is already divided by all ranks' token count."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(model.cos_sin_cache.device.type, (world.size,))
+    mesh = init_device_mesh(model.device.type, (world.size,))
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for unit in (*model.layers, model):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
@@ -1198,24 +1510,55 @@ def shard_model(model: Qwen3, world: World) -> Qwen3:
     return model
 
 
+def shard_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor sharded as `param` is (an FSDP2 DTensor), as a DTensor DCP can save and
+    reshard, without a copy: it loads into `local`, on the host too (FSDP2 builds its offloaded shards so)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    if not isinstance(param, DTensor):
+        return local
+    meta = TensorMeta(param.shape, param.stride(), local.dtype)
+    spec = DTensorSpec(param.device_mesh, param.placements, meta)
+    return DTensor(local, spec, requires_grad=False)
+
+
 def whole_step(rollouts: Rollouts, trainer_logprobs: list, world: World) -> tuple[Rollouts, list]:
     """Every rank's samples and trainer logprobs in rank (= sample) order: parity sees the whole step."""
     if world.size == 1:
         return rollouts, trainer_logprobs
 
     def gathered_list(pieces: list, dtype: torch.dtype, lengths: list[int]) -> list[torch.Tensor]:
-        return list(world.cat(torch.cat([torch.as_tensor(p, dtype=dtype) for p in pieces])).split(lengths))
+        flat = torch.cat([torch.as_tensor(p, dtype=dtype) for p in pieces])
+        return list(gather(flat, world).split(lengths))
     r = rollouts
-    prompt_lens, completion_lens = (world.cat(torch.tensor([len(s) for s in seqs])).tolist()
+    prompt_lens, completion_lens = (gather(torch.tensor([len(s) for s in seqs]), world).tolist()
                                     for seqs in (r.prompts, r.completions))
     prompts = [t.tolist() for t in gathered_list(r.prompts, torch.int64, prompt_lens)]
     completions = [t.tolist() for t in gathered_list(r.completions, torch.int64, completion_lens)]
     step = Rollouts(prompts, completions, gathered_list(r.vllm_logprobs, torch.float32, completion_lens),
-                    world.cat(r.rewards), world.cat(r.advantages))
+                    gather(r.rewards, world), gather(r.advantages, world))
     return step, gathered_list(trainer_logprobs, torch.float32, completion_lens)
 
 
-# ===== Checkpoints: Hugging Face weights, sharded training state, the parity record =====
+# ----- Checkpoints and resume: Hugging Face weights, sharded training state, the parity record -----
+def to_host(t: torch.Tensor, wait: bool = True) -> torch.Tensor:
+    """Into pinned memory, reused from copy to copy (fresh pageable memory copied at 1.3 GB/s on an H100).
+    wait=False: the copy is queued on the stream; synchronize before reading it."""
+    if t.is_cuda:
+        t = t.to("cpu", non_blocking=True)  # non_blocking: into PyTorch's cache of pinned host memory
+        if wait:
+            torch.cuda.current_stream().synchronize()
+    return t
+
+
+def to_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A host tensor onto `like`'s GPU, through pinned memory (queued: a pageable copy would block)."""
+    if t.device == like.device:
+        return t
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return staged.to(like.device, non_blocking=True)
+
+
 TRAINING_STATE = "training_state"  # vLLM and transformers read only the top level: a plain HF checkpoint
 SHARD_BYTES = 4 * 2**30  # weights past this go in model-0000i-of-0000n.safetensors shards, as the hub's do
 TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template",
@@ -1229,14 +1572,14 @@ def atomic_directory(out_dir: Path, world: World = World()):
     if world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    world.barrier()
+    barrier(world)
     try:
         yield tmp
     except BaseException:
         if world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    world.barrier()
+    barrier(world)
     if world.is_main:
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -1245,14 +1588,8 @@ def atomic_directory(out_dir: Path, world: World = World()):
 
 def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path, world: World) -> None:
     """The weights stream through rank 0 one gathered tensor at a time: no second copy is ever held."""
-    with torch.device("meta"):
-        sizes = [(name, t.numel() * t.element_size()) for name, t in hf_weights(Qwen3(model.args))]
-    shards, size = [[]], 0
-    for name, n in sizes:
-        if shards[-1] and size + n > SHARD_BYTES:
-            shards, size = [*shards, []], 0
-        shards[-1].append(name)
-        size += n
+    sizes = [(name, t.numel() * t.element_size()) for name, t in hf_weights(meta_qwen3(model.args))]
+    shards = [[sizes[i][0] for i in shard] for shard in bins([n for _, n in sizes], SHARD_BYTES)]
     files = ([f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
              if len(shards) > 1 else ["model.safetensors"])
     weights = hf_weights(model)  # every rank gathers each weight; rank 0 keeps it
@@ -1297,7 +1634,7 @@ def stack_versions() -> dict:
 
 
 def parity_record(args: Args, model: Qwen3, totals: dict) -> dict:
-    a, device = model.args, model.cos_sin_cache.device
+    a, device = model.args, model.device
     sms = _num_sms(device) if device.type == "cuda" else 132  # an H100's, for a run on the CPU
     gemms = qwen3_gemms(a.dim, a.hidden_dim, a.n_heads, a.n_kv_heads, a.head_dim, a.vocab_size)
     tiles = {f"{name} rows={m}": list(matmul_tiles(m, n, sms).values())
@@ -1317,9 +1654,11 @@ class HostStaging(DefaultSavePlanner):
 
 
 def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, inputs, args: Args, step: int,
-                    record: dict, world: World) -> None:
+                    totals: dict, writer=None, world: World = World()) -> None:
     """<output_dir>/<run_name>/step_N; keeps the newest --keep-last (and the one this run resumed from)."""
     import torch.distributed.checkpoint as dcp
+    if world.is_main and writer is not None:  # TensorBoard holds every step up to it: should the run die
+        writer.flush()
     start = time.perf_counter()
     out_dir = Path(args.run.output_dir) / args.run.run_name / f"step_{step:06d}"
     with atomic_directory(out_dir, world) as tmp:
@@ -1330,6 +1669,7 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, inputs, a
         if world.is_main:
             run = {"args": asdict(args), "step": step, "world_size": world.size}
             (tmp / TRAINING_STATE / "run.json").write_text(json.dumps(run, indent=2))
+            record = parity_record(args, model, totals)
             (tmp / TRAINING_STATE / "parity.json").write_text(json.dumps(record, indent=2))
     if world.is_main:
         print(f"checkpoint {out_dir} written in {time.perf_counter() - start:.1f} s")
@@ -1342,9 +1682,9 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, inputs, a
 
 
 def restore_training_state(checkpoint_dir: Path, optimizer: MasterWeights, ref_model, args: Args,
-                           world: World) -> dict:
-    """Into this run's shards whatever the number of ranks that saved it; returns the parity record, and
-    warns if another stack (torch, vLLM, GPU...) wrote it."""
+                           world: World = World()) -> dict:
+    """Into this run's shards whatever the number of ranks that saved it; returns the tokens checked and
+    mismatched so far, and warns if another stack (torch, vLLM, GPU...) wrote it."""
     import torch.distributed.checkpoint as dcp
     state = training_state(optimizer, ref_model)
     dcp.load(state, checkpoint_id=checkpoint_dir / TRAINING_STATE, no_dist=world.size == 1)
@@ -1360,10 +1700,10 @@ def restore_training_state(checkpoint_dir: Path, optimizer: MasterWeights, ref_m
     if changed and world.is_main:
         print(f"warning: --resume {checkpoint_dir} was saved on another stack ({', '.join(changed)}): the "
               "run continues bit for bit only on the same one")
-    return saved
+    return {key: saved[key] for key in ("tokens_checked", "mismatched_tokens")}
 
 
-# ===== Logging: the terminal and TensorBoard =====
+# ----- Logging: the terminal and TensorBoard -----
 @contextmanager
 def phase(name: str, times: dict, memory: dict):
     """Seconds, and the whole GPU's memory in use at the end: the peak, as PyTorch keeps what it reserved."""
@@ -1376,6 +1716,19 @@ def phase(name: str, times: dict, memory: dict):
     times[name] = time.perf_counter() - start
 
 
+def progress_bar(steps: range, name: str, world: World):
+    """The steps, with a progress bar on the main rank."""
+    from tqdm import tqdm
+    return tqdm(steps, desc=name, unit="step", file=sys.stdout, initial=steps.start, total=steps.stop,
+                disable=not world.is_main)
+
+
+def log_line(line: str, world: World) -> None:
+    from tqdm import tqdm
+    if world.is_main:
+        tqdm.write(line)  # above the progress bar
+
+
 def open_tensorboard(args: Args, start_step: int):
     """runs/<run_name>; a resumed run purges the steps it logged after its checkpoint: each shows once."""
     from torch.utils.tensorboard import SummaryWriter
@@ -1386,12 +1739,11 @@ def open_tensorboard(args: Args, start_step: int):
     return writer
 
 
-def log_step(writer, step: int, scalars: dict, line: str) -> None:
-    from tqdm import tqdm
-    if writer:
+def log_step(writer, step: int, scalars: dict, line: str, world: World) -> None:
+    if world.is_main:
         for key, value in scalars.items():
             writer.add_scalar(key, value, step)
-        tqdm.write(line)
+    log_line(line, world)
 
 
 def step_scalars(rollouts: Rollouts, loss_metrics: dict, parity: dict, grad_norm: float, lr: float,
@@ -1411,389 +1763,89 @@ def step_scalars(rollouts: Rollouts, loss_metrics: dict, parity: dict, grad_norm
     return scalars
 
 
-# ===== Divergence locator: where the bits part, when parity breaks =====
+def step_line(step: int, scalars: dict, times: dict, memory: dict) -> str:
+    return (f"step {step}: reward {scalars['reward/reward_mean']:.3f} loss {scalars['train/loss']:+.5f} "
+            f"ratio {scalars['train/ratio_mean']:.6f} grad {scalars['train/grad_norm']:.3f} | "
+            + " ".join(f"{k} {v:.2f}s" for k, v in times.items())
+            + (f" | GPU {max(memory.values()):.1f} GiB" if memory else ""))
+
+
+def log_eval(engine, inputs, args: Args, updates: int, writer, world: World) -> None:
+    """Greedy accuracy, logged at the number of GRPO updates made so far."""
+    accuracy = evaluate(engine, inputs.tokenizer, inputs.eval_rows, args.sampling.max_new_tokens,
+                        inputs.stop_ids, world)
+    if world.is_main:
+        writer.add_scalar("eval/accuracy", accuracy, updates)
+    log_line(f"after {updates} GRPO steps: greedy accuracy {accuracy:.3f} on {len(inputs.eval_rows)} test "
+             "questions", world)
+
+
+def weight_deltas(changes: dict, world: World = World()) -> dict:
+    """Per layer, over all ranks: the L2 norm of a step's weight change, and that relative to the weights."""
+    squares = {}
+    for name, square in changes.items():
+        parts = name.split(".")
+        layer = (f"layer_{int(parts[1]):02d}" if parts[0] == "layers" else
+                 {"tok_embeddings": "embeddings", "norm": "final_norm", "output": "lm_head"}[parts[0]])
+        squares[layer] = squares.get(layer, 0) + square
+    totals = world.sum(torch.stack(list(squares.values()))).sqrt().tolist()
+    return {layer: (change, change / size) for layer, (change, size) in zip(squares, totals)}
+
+
+SAMPLER_PROBABILITY_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
+
+
+def mismatch_by_probability(v: torch.Tensor, t: torch.Tensor) -> dict:
+    """Per non-empty bucket of sampler probability (mismatch grows as it goes to 0): mean |logprob diff|,
+    k3 KL and token share."""
+    p, metrics, edges = v.exp(), {}, SAMPLER_PROBABILITY_BUCKETS
+    for low, high in zip(edges, edges[1:]):
+        tokens = (p >= low) & ((p < high) if high < 1 else (p <= high))
+        if tokens.any():
+            name = f"p_{low:g}-{high:g}"
+            metrics[f"{name}/mean_abs_logprob_diff"] = float((v[tokens] - t[tokens]).abs().mean())
+            metrics[f"{name}/vllm_kl"] = float(k3_kl(v[tokens], t[tokens]).mean())
+            metrics[f"{name}/token_frac"] = float(tokens.float().mean())
+    return metrics
+
+
+def fp32_hex(x: float) -> str:
+    """The fp32 bit pattern: two logprobs one ulp apart print differently (bf16 would hide it)."""
+    return f"0x{int(torch.tensor(x, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF:08x}"
+
+
+def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch.Tensor],
+                  tokens: list[list[int]], show: int, mismatched: int) -> str:
+    """The first `show` tokens of sample 0 with both logprobs and their fp32 bits; the count."""
+    header = ("token", "vllm logprob", "trainer logprob", "vllm fp32 bits", "trainer fp32 bits", "diff")
+    lines = ["  {:>8} {:>16} {:>16} {:>14} {:>17} {:>10}".format(*header)]
+    for tok, a, b in list(zip(tokens[0], vllm_logprobs[0].tolist(), trainer_logprobs[0].tolist()))[:show]:
+        lines.append(f"  {tok:>8} {a:>16.9f} {b:>16.9f} {fp32_hex(a):>14} {fp32_hex(b):>17} {b - a:>10.3g}")
+    lines.append(f"  Bitwise identical: {mismatched == 0}, different tokens {mismatched} / "
+                 f"{sum(len(x) for x in vllm_logprobs)}")
+    return "\n".join(lines if show else lines[-1:])
+
+
+def log_parity(step: int, rollouts, trainer_logprobs, parity: dict, show: int, world: World) -> None:
+    report = parity_report(rollouts.vllm_logprobs, trainer_logprobs, rollouts.completions, show,
+                           parity["mismatched_tokens"])
+    log_line((f"step {step} parity (first tokens of sample 0):\n" if show else "") + report, world)
+
+
+# ----- The divergence locator's glue (batch_invariant_backward.py holds it) -----
 def find_first_divergence(engine: VLLMEngine, model: Qwen3, tokens: list[int]) -> str:
     """Both sides' tensors of a prefill of `tokens`, compared in forward order (batch_invariant_backward)."""
-    batch = pack_sequences([tokens[:-1]], [tokens[-1:]], model.cos_sin_cache.device)
+    batch = pack_sequences([tokens[:-1]], [tokens[-1:]], model.device)
     try:
         return first_divergence(trainer_trace(model, batch), vllm_trace(engine.llm, tokens))
     except Exception as e:  # a diagnostic must not hide the error it diagnoses
         return f"not found, the locator failed ({type(e).__name__}: {e})"
 
 
-# ===== The loop, and main() =====
-def end_of_sequence_ids(tokenizer, model_dir: Path) -> list[int]:
-    eos = read_config(model_dir).get("eos_token_id")
-    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
-    if not ids:
-        raise ValueError(f"{model_dir}: neither the tokenizer nor config.json names an end-of-sequence "
-                         "token")
-    return sorted(ids)
-
-
-def resolve_model_dir(model: str) -> Path:
-    path = Path(model)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"--model {model}: the directory has no config.json (need a Hugging Face Qwen3 "
-                             "checkpoint)")
-        return path
-    if path.exists() or model.startswith((".", "/")) or model.count("/") != 1:
-        raise ValueError(f"--model {model}: not a checkpoint directory, nor a hub id like Qwen/Qwen3-1.7B")
-    from huggingface_hub import snapshot_download
-    try:
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
-    except Exception as e:
-        raise ValueError(f"--model {model}: cannot download it from the hub ({type(e).__name__}); pass a "
-                         "local checkpoint directory") from e
-
-
-def warn_if_short_of_disk(args: Args, model_args) -> None:
-    """Checkpoints take 16 bytes a parameter (bf16, fp32 master, 2 AdamW moments), 18 with a reference."""
-    with torch.device("meta"):
-        need = sum(p.numel() for p in Qwen3(model_args).parameters()) * (18 if args.loss.kl_coef else 16)
-    root = Path(args.run.output_dir)
-    free = shutil.disk_usage(next(p for p in (root, *root.absolute().parents) if p.exists())).free
-    if free < need:
-        print(f"warning: {root} has {free / 2**30:.1f} GiB free; a checkpoint of this model needs about "
-              f"{need / 2**30:.1f} GiB")
-
-
-# ===== Memory: what each GPU holds, planned before anything loads =====
-GiB = 2**30
-# Besides the tensors counted below (measured on an H100, tests/test_gpu_memory.py): the CUDA context with its
-# kernels' workspaces; what a sleeping engine keeps (its CUDA graphs' pool, sampler buffers); what vLLM needs
-# to start besides its weights and a sequence's KV cache (activations while it profiles, graphs); a process's
-# host memory besides an offloaded optimizer (torch, vLLM, pinned staging).
-CUDA_CONTEXT_BYTES = 0.75 * GiB
-VLLM_ASLEEP_BYTES = 1.0 * GiB
-VLLM_SAMPLER_BYTES = 1.0 * GiB  # outside vLLM's share: its sampler's temporaries over the vocabulary
-VLLM_WORKING_BYTES = 3.0 * GiB
-HOST_BYTES_PER_PROCESS = 8.0 * GiB
-USABLE = 0.92  # of the GPU's memory: the rest goes to the caching allocator's fragmentation
-
-
-def parameter_counts(model_args) -> tuple[int, int]:
-    """(parameters in all, in one transformer block)."""
-    with torch.device("meta"):
-        model = Qwen3(model_args)
-    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.layers[0].parameters())
-
-
-def block_bytes_per_token(a) -> int:
-    """What a transformer block's autograd Functions keep for the backward, per token: both norms' inputs and
-    outputs (4 dim), q/k/v, rotated q/k and attention's output (3 (q + kv)), SwiGLU's input and output
-    (3 hidden_dim), all bf16; and attention's log-sum-exp, fp32 a head."""
-    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    return 2 * (4 * a.dim + 3 * (q + kv) + 3 * a.hidden_dim) + 4 * a.n_heads
-
-
-def kept_bytes(model_args, tokens: int, completion_tokens: int) -> int:
-    """What the trainer keeps for the backward of a micro-batch without checkpointing: the blocks'; per token
-    the ids and positions (int64) and the final norm's input; per completion token lm_head's row, its bf16
-    logits, the entropy, the target and the row's index."""
-    a = model_args
-    return (tokens * (a.n_layers * block_bytes_per_token(a) + 16 + 2 * a.dim)
-            + completion_tokens * (2 * a.dim + 2 * a.vocab_size + 4 + 8 + 8))
-
-
-def micro_batch_bytes(model_args, tokens: int, checkpointing: bool, gradients: float) -> float:
-    """Peak memory of a micro-batch's forward and backward besides the weights, every token a completion token
-    (the most lm_head sees): what is kept, and the larger of the backward's two peaks: at lm_head (the logits'
-    and rows' gradients, the weight's) or in the blocks (every bf16 gradient, `gradients` bytes, and a block's
-    gradients, with checkpointing also its recomputed activations)."""
-    a, block = model_args, block_bytes_per_token(model_args)
-    blocks = tokens * ((a.n_layers * 4 * a.dim if checkpointing else a.n_layers * block) + 16 + 2 * a.dim)
-    head = kept_bytes(a, tokens, tokens) - tokens * (a.n_layers * block + 16 + 2 * a.dim)
-    sampler = 3 * 4 * LMHeadLogprobs.ROWS_PER_CHUNK_TIMES_VOCAB  # a chunk's fp32 temporaries, in the forward
-    at_head = tokens * (2 * a.vocab_size + 2 * a.dim) + 2 * a.vocab_size * a.dim
-    in_blocks = gradients + tokens * block * (2 if checkpointing else 1) - head
-    return blocks + head + max(sampler, at_head, in_blocks)
-
-
-def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int) -> dict[str, dict[str, float]]:
-    """Bytes one GPU holds at the peak of each phase, by what holds them: while vLLM generates (the trainer's
-    state waits), while the trainer runs a micro-batch (vLLM asleep), and while AdamW steps. FSDP2 shards the
-    trainer over torchrun's `gpus` processes; each runs a whole vLLM engine."""
-    e, (n, block) = args.engine, parameter_counts(model_args)
-    shard, on_gpu = n / gpus, 0 if e.offload_optimizer else 1
-    state = {"bf16 weights": 2 * shard, "fp32 masters": 4 * shard * on_gpu, "AdamW moments": 8 * shard * on_gpu}
-    if args.loss.kl_coef:
-        state["reference policy"] = 2 * shard
-    gathered = {}  # FSDP2: the root (embedding, lm_head), two blocks, a block's gradient reduced in fp32
-    if gpus > 1:
-        gathered["gathered by FSDP2"] = 2 * (n - model_args.n_layers * block) + 4 * block + 6 * block
-    context, asleep = {"CUDA context": CUDA_CONTEXT_BYTES}, {"vLLM asleep": VLLM_ASLEEP_BYTES}
-    grads = {"fp32 gradient sums": 4 * shard}
-    # bf16 gradients: one at a time (the embedding's the largest), under FSDP2 this rank's shards of them all
-    bf16_grads = 2 * (shard if gpus > 1 else model_args.vocab_size * model_args.dim)
-    micro_batch = micro_batch_bytes(model_args, e.max_tokens_per_microbatch, e.activation_checkpointing, bf16_grads)
-    return {
-        "generating": context | {"vLLM": e.vllm_gpu_memory * gpu_bytes + VLLM_SAMPLER_BYTES} | state,
-        "training": context | asleep | state | gathered | grads | {"activations, bf16 gradients": micro_batch},
-        # foreach AdamW makes one temporary of a moment's size (offloaded, AdamW steps on the CPU)
-        "the optimizer step": context | asleep | state | grads | {"AdamW's temporary": 4 * shard * on_gpu},
-    }
-
-
-def memory_problem(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None):
-    """What does not fit in the GPU's `gpu_bytes`, or in `host` = (bytes available, processes sharing them)
-    with an offloaded optimizer; None if everything fits."""
-    a, e, (n, _) = model_args, args.engine, parameter_counts(model_args)
-    sequence = args.data.max_prompt_tokens + args.sampling.max_new_tokens
-    vllm = 2 * n + 2 * 2 * a.n_layers * a.n_kv_heads * a.head_dim * sequence + VLLM_WORKING_BYTES
-    if vllm > e.vllm_gpu_memory * gpu_bytes:
-        return (f"vLLM's share (--vllm-gpu-memory {e.vllm_gpu_memory:g}: {e.vllm_gpu_memory * gpu_bytes / GiB:.1f} "
-                f"GiB) cannot hold its weights, a sequence's KV cache and its workspace ({vllm / GiB:.1f} GiB)")
-    for phase, parts in memory_plan(model_args, args, gpus, gpu_bytes).items():
-        if sum(parts.values()) > USABLE * gpu_bytes:
-            largest = sorted(parts.items(), key=lambda part: -part[1])[:4]
-            return (f"{phase} needs {sum(parts.values()) / GiB:.1f} of the GPU's {gpu_bytes / GiB:.1f} GiB ("
-                    + ", ".join(f"{what} {size / GiB:.1f}" for what, size in largest) + ")")
-    if e.offload_optimizer and host is not None:
-        available, processes = host
-        needs = processes * (12 * n / gpus + HOST_BYTES_PER_PROCESS)
-        if needs > available:
-            return (f"--offload-optimizer needs {needs / GiB:.1f} GiB of host memory, {available / GiB:.1f} GiB "
-                    "are available")
-    return None
-
-
-def check_memory(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None) -> None:
-    """Refuses a run that would run out of GPU (or host) memory, naming changes with which it would fit."""
-    problem = memory_problem(model_args, args, gpus, gpu_bytes, host)
-    if problem is None:
-        return
-    e = args.engine
-
-    def engine(**changes) -> Args:
-        return dataclasses.replace(args, engine=dataclasses.replace(e, **changes))
-    shortest, tokens = args.data.max_prompt_tokens + args.sampling.max_new_tokens, e.max_tokens_per_microbatch
-    kinds = [  # each kind of change, from the least to the most
-        [("--activation-checkpointing", engine(activation_checkpointing=True), gpus)],
-        [(f"--max-tokens-per-microbatch {t}", engine(max_tokens_per_microbatch=t), gpus)
-         for t in (tokens // 2, tokens // 4) if t >= shortest],
-        [("--offload-optimizer", engine(offload_optimizer=True), gpus),
-         ("--offload-optimizer --activation-checkpointing",
-          engine(offload_optimizer=True, activation_checkpointing=True), gpus)],
-        [(f"--vllm-gpu-memory {share:g}", engine(vllm_gpu_memory=share), gpus)
-         for share in (0.4, 0.3) if share < e.vllm_gpu_memory],
-        [(f"torchrun --nproc-per-node {n}", args, n) for n in (2, 4, 8) if n > gpus],
-    ]
-    fits = [next((what for what, changed, n in kind if not memory_problem(
-        model_args, changed, n, gpu_bytes, host and (host[0], host[1] * n // gpus))), None) for kind in kinds]
-    fits = [what for what in fits if what][:3]
-    raise UsageError(f"{parameter_counts(model_args)[0] / 1e9:.2f}B parameters do not fit: {problem}; "
-                     + (f"it would fit with {' or '.join(fits)}" if fits else "no one change makes it fit"))
-
-
-def check_gpu_memory(model_args, args: Args, world: World) -> None:
-    """`check_memory` on this rank's GPU and host; prints the plan once."""
-    gpu_bytes = torch.cuda.mem_get_info()[1]
-    try:
-        available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if "MemAvailable" in line)
-        host = (available, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except (OSError, StopIteration):  # not Linux: the host is not checked
-        host = None
-    check_memory(model_args, args, world.size, gpu_bytes, host)
-    if world.is_main:
-        peaks = [f"{phase} {sum(parts.values()) / GiB:.1f}"
-                 for phase, parts in memory_plan(model_args, args, world.size, gpu_bytes).items()]
-        print(f"GPU memory planned, GiB of {gpu_bytes / GiB:.1f}: {', '.join(peaks)}")
-
-
-@dataclass
-class Inputs:
-    """Everything read before the engine starts: a bad input fails before anything slow."""
-    model_dir: Path  # the checkpoint both sides load: --model, or the one --resume continues from
-    model_args: object  # its shape (torchtitan's Qwen3ModelArgs)
-    start_step: int  # GRPO steps already made: 0, or the resumed checkpoint's step
-    tokenizer: object
-    stop_ids: list[int]
-    train_rows: list[dict]
-    eval_rows: list[dict]
-
-
-def load_inputs(args: Args) -> Inputs:
-    from transformers import AutoTokenizer
-    model_dir = Path(args.run.resume) if args.run.resume else resolve_model_dir(args.data.model)
-    model_args = model_args_from_hf_config(read_config(model_dir))
-    longest = args.data.max_prompt_tokens + args.sampling.max_new_tokens
-    if longest > model_args.max_seq_len:
-        raise ValueError(f"--max-prompt-tokens + --max-new-tokens = {longest}, but the model has "
-                         f"{model_args.max_seq_len} positions ({model_dir}/config.json: "
-                         "max_position_embeddings)")
-    check_bitwise_head_dim(model_args.head_dim, longest, model_dir)
-    check_checkpoint(model_dir, model_args)
-    if args.run.save_every >= 0:
-        warn_if_short_of_disk(args, model_args)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as e:
-        raise ValueError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0]})") from e
-    if not 1 < len(tokenizer) <= model_args.vocab_size:  # transformers makes a 1-token one with no files
-        raise ValueError(f"--model {model_dir}: its tokenizer has {len(tokenizer)} token(s) for a vocabulary "
-                         f"of {model_args.vocab_size} (tokenizer files missing, or from another model)")
-    train_rows = encode_dataset(load_gsm8k(args.data.dataset, "train"), tokenizer, args.data, "train set")
-    eval_rows = encode_dataset(load_gsm8k(args.data.eval_dataset, "test"), tokenizer, args.data,
-                               "eval set") if args.run.eval_every else []
-    return Inputs(model_dir, model_args, saved_run(model_dir)[1] if args.run.resume else 0, tokenizer,
-                  end_of_sequence_ids(tokenizer, model_dir), train_rows, eval_rows[: args.run.eval_samples])
-
-
-def reference_policy(model: Qwen3, world: World) -> Qwen3:
-    with torch.device(model.cos_sin_cache.device):
-        ref_model = Qwen3(model.args, model.kernels, model.tok_embeddings.weight.dtype).requires_grad_(False)
-    with torch.no_grad():
-        for p, ref in zip(model.parameters(), ref_model.parameters(), strict=True):
-            ref.copy_(gathered(p))  # one gathered weight at a time
-    return shard_model(ref_model, world) if world.size > 1 else ref_model
-
-
-def warm_start(model: Qwen3, inputs: Inputs, order: list[int], args: Args, world: World) -> None:
-    """--sft-steps of SFT on reference answers (own optimizer); TensorBoard run <run_name>/warm_start."""
-    from torch.utils.tensorboard import SummaryWriter
-    from tqdm import tqdm
-    # Answers as the model should write them after the prompt, then an end of sequence (<|im_end|> in chat).
-    plain = args.data.prompt_format == "plain" or inputs.tokenizer.chat_template is None
-    for r in inputs.train_rows:
-        answer = inputs.tokenizer.encode((" " if plain else "") + r["answer"], add_special_tokens=False)
-        r["answer_ids"] = answer + [inputs.tokenizer.eos_token_id or inputs.stop_ids[0]]
-    optimizer = MasterWeights(model, args.warm_start.sft_lr, args.optimizer.weight_decay,
-                              args.engine.offload_optimizer)
-    writer = SummaryWriter(str(Path("runs") / args.run.run_name / "warm_start")) if world.is_main else None
-    for step in tqdm(range(args.warm_start.sft_steps), desc="warm start", unit="step", file=sys.stdout,
-                     disable=not world.is_main):
-        rows = step_rows(inputs.train_rows, order, step, args.warm_start.sft_batch_size)
-        loss = sft_step(model, optimizer, rows, args, world)
-        if writer:
-            writer.add_scalar("sft/loss", loss, step)
-    if writer:
-        writer.close()
-
-
-def grpo(args: Args, engine: VLLMEngine, model: Qwen3, inputs: Inputs, order: list[int], writer,
-         world: World):
-    """vLLM samples (trainer weights wait in memory), sleeps while they train, wakes with the new ones."""
-    from tqdm import tqdm
-    s, p, run, o = args.sampling, args.parity, args.run, args.optimizer
-
-    def log_eval(updates: int) -> None:  # logged at the number of GRPO updates made so far
-        acc = evaluate(engine, inputs.tokenizer, inputs.eval_rows, s.max_new_tokens, inputs.stop_ids, world)
-        if writer:
-            writer.add_scalar("eval/accuracy", acc, updates)
-            tqdm.write(f"after {updates} GRPO steps: greedy accuracy {acc:.3f} on "
-                       f"{len(inputs.eval_rows)} test questions")
-    ref_model = reference_policy(model, world) if args.loss.kl_coef > 0 else None  # KL to GRPO's start
-    optimizer = MasterWeights(model, o.lr, o.weight_decay, args.engine.offload_optimizer)
-    totals = {"tokens_checked": 0, "mismatched_tokens": 0}
-    if inputs.start_step:
-        saved = restore_training_state(inputs.model_dir, optimizer, ref_model, args, world)
-        totals = {key: saved[key] for key in totals}
-    if run.eval_every and inputs.start_step % run.eval_every == 0:  # before training, or a resume when due
-        log_eval(inputs.start_step)
-    steps = range(inputs.start_step, o.steps)
-    for step in tqdm(steps, desc="GRPO", unit="step", file=sys.stdout, initial=steps.start, total=steps.stop,
-                     disable=not world.is_main):
-        times, memory = {}, {}
-        with phase("generate", times, memory):
-            rows = step_rows(inputs.train_rows, order, step, s.prompts_per_step)
-            rollouts = rollout(engine, inputs.tokenizer, rows, args, step, inputs.stop_ids, world)
-        with phase("train", times, memory):
-            engine.sleep()
-            ref_logprobs = None if ref_model is None else reference_logprobs(ref_model, rollouts, args, world)
-            metrics, logprobs = train_on_rollouts(model, optimizer, rollouts, ref_logprobs, args, world)
-            rollouts, logprobs = whole_step(rollouts, logprobs, world)  # every rank's samples
-            parity, report, first = parity_report(rollouts.vllm_logprobs, logprobs,
-                                                  rollouts.completions, p.parity_report_tokens, world)
-            if writer:  # every rank sees the whole step: all locate and stop together
-                tqdm.write((f"step {step} parity (first tokens of sample 0):\n"
-                            if p.parity_report_tokens else "") + report)
-            if first and (p.assert_bitwise or p.locate_divergence):
-                engine.sync_weights(model, world, changed=False)  # the weights that sampled: none updated yet
-                sample = rollouts.prompts[first.sample] + rollouts.completions[first.sample][: first.token]
-                message = (f"step {step}: {first.message}; first divergence: "
-                           + find_first_divergence(engine, model, sample))
-                if p.assert_bitwise:
-                    log_step(writer, step, {f"parity/{k}": v for k, v in parity.items()}, "parity broken")
-                    raise ParityError(message)
-                if writer:
-                    tqdm.write(message)
-                engine.sleep()  # the trainer goes on
-            lr = lr_at(step, o)
-            grad_norm, changes = optimizer.step(lr, o.max_grad_norm, world)
-            deltas = weight_deltas(changes, world)
-        with phase("push", times, memory):
-            engine.sync_weights(model, world, changed=any(magnitude for magnitude, _ in deltas.values()))
-        totals["tokens_checked"] += sum(len(c) for c in rollouts.completions)
-        totals["mismatched_tokens"] += parity["mismatched_tokens"]
-        scalars = step_scalars(rollouts, metrics, parity, grad_norm, lr, deltas, times, memory)
-        line = (f"step {step}: reward {scalars['reward/reward_mean']:.3f} loss {metrics['loss']:+.5f} "
-                f"ratio {metrics['ratio_mean']:.6f} grad {grad_norm:.3f} | "
-                + " ".join(f"{k} {v:.2f}s" for k, v in times.items()))
-        log_step(writer, step, scalars, line + (f" | GPU {max(memory.values()):.1f} GiB" if memory else ""))
-        last = step == o.steps - 1
-        if run.eval_every and ((step + 1) % run.eval_every == 0 or last):
-            log_eval(step + 1)
-        if run.save_every >= 0 and (last or run.save_every and (step + 1) % run.save_every == 0):
-            if writer:  # TensorBoard holds every step up to the checkpoint, should the run die after it
-                writer.flush()
-            save_checkpoint(model, optimizer, ref_model, inputs, args, step + 1,
-                            parity_record(args, model, totals), world)
-    if writer:  # the run's certificate of exactness
-        (Path(writer.log_dir) / "parity.json").write_text(json.dumps(parity_record(args, model, totals),
-                                                                     indent=2))
-
-
-def main(args: Args, device: str = "cuda", engine_class=VLLMEngine) -> Path:
-    """Train; returns the run's TensorBoard directory. Tests give another `engine_class` (a CPU stand-in)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        args = check_args(args, world_size)
-        inputs = load_inputs(args)
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
-        world = init_distributed(device)
-        if device == "cuda":  # before vLLM starts: a model that cannot fit is refused, not run out of memory
-            check_gpu_memory(inputs.model_args, args, world)
-        # Nothing in the loop draws from the global generators: seeded (and checkpointed) for what one adds.
-        random.seed(args.data.seed)
-        torch.manual_seed(args.data.seed)
-        # torchrun: an engine a rank (vLLM's external launcher, no vLLM data parallelism) samples alone.
-        parallel = {"distributed_executor_backend": "external_launcher"} if world.size > 1 else {}
-        engine = engine_class(inputs.model_dir, args.engine.vllm_gpu_memory,  # first: claims an empty GPU
-                              args.data.max_prompt_tokens + args.sampling.max_new_tokens, args.data.seed,
-                              cuda_graphs=args.engine.vllm_cuda_graphs, **parallel)
-        model = load_qwen3(inputs.model_dir, device,
-                           activation_checkpointing=args.engine.activation_checkpointing)
-        if world.size > 1:
-            shard_model(model, world)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-    engine.check_weights(model, world)
-    writer = open_tensorboard(args, inputs.start_step) if world.is_main else None
-    order = list(range(len(inputs.train_rows)))
-    random.Random(args.data.seed).shuffle(order)
-    if args.warm_start.sft_steps and not args.run.resume:  # a resumed run's weights are warm already
-        engine.sleep()
-        warm_start(model, inputs, order, args, world)
-        engine.sync_weights(model, world, changed=True)
-    try:
-        grpo(args, engine, model, inputs, order, writer, world)
-    finally:
-        if writer:
-            writer.close()  # also on a parity error: the failing step's parity scalars reach the disk
-    return Path("runs") / args.run.run_name
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the one error boundary: a usage error exits 2, broken parity 1, in one line
     try:
         main(COMMAND_LINE)
     except UsageError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_on(e, 2)
     except ParityError as e:
-        print(f"error: bitwise parity broken at {e}", file=sys.stderr)
-        sys.exit(1)
+        exit_on(f"bitwise parity broken at {e}", 1)

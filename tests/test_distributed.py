@@ -245,7 +245,7 @@ def peak_rss_worker(rank: int, world: int, port: int, model_dir, out) -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak resident set (VmHWM) starts again from here
     before = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
-    simple_rl.save_checkpoint(model, optimizer, None, SimpleNamespace(model_dir=model_dir), args, 1, {}, place)
+    simple_rl.save_checkpoint(model, optimizer, None, SimpleNamespace(model_dir=model_dir), args, 1, {}, world=place)
     peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
     (out.parent / f"rss_{rank}").write_text(str((peak - before) * 1024))
     dist.destroy_process_group()

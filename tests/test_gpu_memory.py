@@ -32,16 +32,16 @@ def test_a_micro_batch_allocates_no_more_than_planned(checkpointing):
     """Beyond the weights, the masters and AdamW's moments: the activations, the bf16 gradients (each folded
     into its fp32 sum as soon as it is made) and those sums."""
     model = random_model(checkpointing)
-    simple_rl.MasterWeights(model, 1e-6, 0.0)
+    simple_rl.MasterWeights(model, 1e-6, 0.0).zero_grads()
     g = torch.Generator().manual_seed(0)
     # 16 sequences of 512 tokens, 448 of them sampled: a full micro-batch of the default budget
     prompts = [torch.randint(0, 151936, (64,), generator=g).tolist() for _ in range(16)]
     completions = [torch.randint(0, 151936, (448,), generator=g).tolist() for _ in range(16)]
     batch = simple_rl.pack_sequences(prompts, completions, "cuda")
-    torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    model(batch).logprobs.sum().backward()
+    for _ in range(2):  # the second micro-batch's peak: the step's fp32 sums exist from its start
+        torch.cuda.reset_peak_memory_stats()
+        model(batch).logprobs.sum().backward()
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - before
     n, _ = simple_rl.parameter_counts(model.args)
@@ -61,6 +61,7 @@ def test_an_offloaded_step_makes_the_gpus_update():
     g = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(2):  # two steps: the second reads AdamW's moments back
         for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grads()
             g.manual_seed(1)
             for p in model.parameters():
                 p.grad = torch.randn(p.shape, generator=g, device="cuda", dtype=p.dtype) * 1e-3

@@ -39,13 +39,14 @@ def test_the_plan_adds_up_what_each_phase_holds():
     n, block = simple_rl.parameter_counts(model_args)
     assert n == 1_720_574_976 and block == 50_336_000  # Qwen3-1.7B (tied embedding)
     plan = simple_rl.memory_plan(model_args, args, 1, H100)
+    one_at_a_time = 2 * 151936 * 2048  # bf16 gradients, folded one by one into fp32: the embedding's the largest
+    micro_batch = simple_rl.micro_batch_bytes(model_args, 8192, False, one_at_a_time)
     assert plan["generating"] == {"CUDA context": simple_rl.CUDA_CONTEXT_BYTES,
                                   "vLLM": 0.5 * H100 + simple_rl.VLLM_SAMPLER_BYTES,
-                                  "bf16 weights": 2 * n, "fp32 masters": 4 * n, "AdamW moments": 8 * n}
+                                  "bf16 weights": 2 * n, "fp32 masters": 4 * n, "AdamW moments": 8 * n,
+                                  "PyTorch's cache": simple_rl.CACHED_WHILE_GENERATING * micro_batch}
     assert plan["training"]["fp32 gradient sums"] == 4 * n
-    one_at_a_time = 2 * 151936 * 2048  # bf16 gradients, folded one by one into fp32: the embedding's the largest
-    assert plan["training"]["activations, bf16 gradients"] == simple_rl.micro_batch_bytes(model_args, 8192, False,
-                                                                                          one_at_a_time)
+    assert plan["training"]["activations, bf16 gradients"] == micro_batch
     assert plan["the optimizer step"]["AdamW's temporary"] == 4 * n
     offloaded = simple_rl.memory_plan(model_args, flags(offload_optimizer=True), 1, H100)
     assert offloaded["generating"]["fp32 masters"] == offloaded["generating"]["AdamW moments"] == 0
@@ -126,6 +127,7 @@ def test_an_offloaded_step_makes_the_same_update(tmp_path):
     optimizers = [simple_rl.MasterWeights(m, 1e-2, 0.1, offload=offload) for m, offload in zip(models, (False, True))]
     for step in range(2):
         for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grads()
             g = torch.Generator().manual_seed(step)
             for p in model.parameters():
                 p.grad = torch.randn(p.shape, generator=g)

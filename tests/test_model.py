@@ -87,9 +87,9 @@ def test_token_logprobs_and_gradients_match_reference(tmp_path):
 
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(simple_rl.UsageError, match="no config.json"):
         simple_rl.resolve_model_dir(str(tmp_path))
-    with pytest.raises(ValueError, match="not a checkpoint directory"):
+    with pytest.raises(simple_rl.UsageError, match="not a checkpoint directory"):
         simple_rl.resolve_model_dir(str(tmp_path / "missing" / "dir"))
     ckpt = write_checkpoint(tmp_path / "c", qwen3_config())
     config = ckpt / "config.json"
@@ -98,15 +98,15 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
                           (json.dumps({k: v for k, v in qwen3_config().items() if k != "hidden_size"}), "no hidden_size"),
                           ("[1, 2]", "a JSON object of the model's settings"), ("{not json", "not valid JSON")]:
         config.write_text(text)
-        with pytest.raises(ValueError, match=message) as error:
+        with pytest.raises(simple_rl.UsageError, match=message) as error:
             simple_rl.read_config(ckpt)
         assert str(config) in str(error.value)
     config.write_text(good)
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["num_hidden_layers"] = 3
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="weights do not match config.json"):
-        simple_rl.load_qwen3(ckpt, "cpu")
+    with pytest.raises(simple_rl.UsageError, match="the weights do not match config.json"):
+        simple_rl.check_checkpoint(ckpt, simple_rl.model_args_from_hf_config(cfg))
 
 
 def test_vllm_holds_the_rotary_table_in_fp32_with_the_trainers_values():
