@@ -32,6 +32,7 @@ import random
 import re
 import shutil
 import sys
+import textwrap
 import time
 import typing
 from contextlib import contextmanager
@@ -46,12 +47,17 @@ import tyro
 FIXED = "fixed on resume"  # a flag a resume may not change: data order, seeds, batch shape, reference follow
 
 
+def default_is(what: str):  # --help's "(default: ...)" for a flag whose None stands for something
+    return tyro.conf.arg(help_behavior_hint=f"(default: {what})")
+
+
 @dataclass
 class Data:
     """The model, the data and the seed."""
     model: Annotated[str, FIXED] = "Qwen/Qwen3-1.7B"  # Qwen3 hub id, or local directory (config, safetensors)
-    dataset: Annotated[str | None, FIXED] = None  # local train jsonl (question, answer); default: the hub's
-    eval_dataset: str | None = None  # local test jsonl; default: openai/gsm8k 'main' test split
+    # local train jsonl (question, answer)
+    dataset: Annotated[str | None, FIXED, default_is("openai/gsm8k 'main' train, from the hub")] = None
+    eval_dataset: Annotated[str | None, default_is("openai/gsm8k 'main' test")] = None  # local test jsonl
     # 'chat': the tokenizer's chat template; 'plain': 'Question: ...', then 'Answer:'; 'auto': chat if any
     prompt_format: Annotated[Literal["auto", "chat", "plain"], FIXED] = "auto"
     thinking: Annotated[bool, FIXED] = False  # let Qwen3's chat template open a <think> block (long answers)
@@ -103,7 +109,7 @@ class Optimizer:
 @dataclass
 class WarmStart:
     """An optional supervised warm start before GRPO."""
-    sft_steps: int = 0  # steps of teacher forcing on the train set's reference answers, before GRPO
+    sft_steps: int = 0  # steps of teacher forcing on the train set's reference answers before GRPO; 0: none
     sft_lr: float = 1e-4  # constant AdamW learning rate of the warm start
     sft_batch_size: int = 64  # questions per warm-start step
 
@@ -136,14 +142,15 @@ class Run:
     """Evaluation, TensorBoard, checkpoints and resuming."""
     eval_every: int = 20  # greedy GSM8K accuracy before training, every N steps and at the end; 0 disables
     eval_samples: int = 256  # test questions per evaluation
-    run_name: str | None = None  # names runs/<run_name> and <output_dir>/<run_name>; default: a timestamp
+    # names runs/<run-name> and <output-dir>/<run-name>
+    run_name: Annotated[str | None, default_is("grpo_<date>_<time>")] = None
     output_dir: str = "checkpoints"  # where checkpoints are written
     save_every: int = 0  # checkpoint every N steps and after the last; 0: after the last only; -1: never
     keep_last: int = 3  # checkpoints of the run kept on disk, the newest; 0 keeps all
-    # a checkpoint (<output_dir>/<run_name>/step_N) to continue its run from, with its saved flags; flags
+    # a checkpoint (<output-dir>/<run-name>/step_N) to continue its run from, with its saved flags; flags
     # given too may change what a resume may (learning rate, steps, logging, checkpoints). Bit for bit on
     # as many GPUs; on another count, the state is restored exactly but gradients sum in another order
-    resume: str | None = None
+    resume: Annotated[str | None, default_is("a new run")] = None
 
 
 @dataclass
@@ -161,7 +168,7 @@ class Args:
 # The range of every number, checked as the flags are parsed (the other checks follow the Plumbing banner).
 RANGES = {"at least 1": ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_tokens", "sft_batch_size",
                          "eval_samples"),
-          ">= 0": ("top_k", "warmup_steps", "weight_decay", "kl_coef", "entropy_coef", "sft_steps",
+          ">= 0": ("seed", "top_k", "warmup_steps", "weight_decay", "kl_coef", "entropy_coef", "sft_steps",
                    "parity_report_tokens", "eval_every", "keep_last"),
           "> 0": ("temperature", "lr", "sft_lr", "max_grad_norm", "clip_eps")}
 
@@ -183,7 +190,7 @@ def saved_run(checkpoint: Path) -> tuple[Args, int]:
     run_file = checkpoint / "training_state" / "run.json"
     if not run_file.is_file():
         what = ("not a checkpoint of this script (no training_state/run.json)" if checkpoint.is_dir()
-                else "no such directory")
+                else "a file, not a checkpoint directory" if checkpoint.exists() else "no such directory")
         raise UsageError(f"--resume {checkpoint}: {what}")
     run = json.loads(run_file.read_text())
     try:
@@ -196,10 +203,14 @@ def saved_run(checkpoint: Path) -> tuple[Args, int]:
 
 def parse_command_line(argv: list[str] | None = None) -> Args:
     """The flags, each number in its range; with --resume, the run's saved flags overridden by those given."""
+    commands = ("    VLLM_BATCH_INVARIANT=1 python simple_rl.py ...          (one GPU)\n"
+                "    VLLM_BATCH_INVARIANT=1 torchrun --nproc-per-node N simple_rl.py ...")
     setting = ("Set VLLM_BATCH_INVARIANT=1 in the environment: vLLM reads it at import, and without it the "
                "logprobs cannot be bitwise equal.")
+    about, setting = (textwrap.fill(" ".join(text.split()), 78, initial_indent="  ", subsequent_indent="  ")
+                      for text in (__doc__.split("\n\n")[0], setting))
     options = dict(args=argv, config=(tyro.conf.OmitArgPrefixes, tyro.conf.DisallowNone),
-                   description=" ".join(__doc__.split("\n\n")[0].split()) + " " + setting)
+                   description=f"{about}\n\n{commands}\n\n{setting}")  # indented: tyro keeps the lines
     args = tyro.cli(Args, **options)
     if args.run.resume is not None:
         args = tyro.cli(Args, default=saved_run(Path(args.run.resume))[0], **options)
@@ -309,13 +320,6 @@ def parse_number(text: str | None) -> Decimal | None:
 def gsm8k_reward(completion: str, reference_answer: str) -> float:
     predicted, expected = (parse_number(extract_answer(text)) for text in (completion, reference_answer))
     return float(predicted is not None and expected is not None and predicted == expected)
-
-
-def load_gsm8k(split: str) -> list[dict]:
-    """[{question, answer}] of openai/gsm8k 'main' from `datasets` (a local jsonl: `read_gsm8k_jsonl`)."""
-    from datasets import load_dataset
-    return [{"question": r["question"], "answer": r["answer"]} for r in load_dataset("openai/gsm8k", "main",
-                                                                                     split=split)]
 
 
 def encode_prompt(tokenizer, question: str, use_chat: bool, thinking: bool) -> list[int]:
@@ -928,8 +932,8 @@ def on_mismatch(first: Mismatch, engine, model: Qwen3, rollouts: Rollouts, parit
     """Where the bits part: the first mismatching sample run through both sides with the weights that sampled
     it (none updated yet), op by op. With --assert-bitwise, the run stops there (exit status 1)."""
     engine.sync_weights(model, world, changed=False)
-    sample = rollouts.prompts[first.sample] + rollouts.completions[first.sample][: first.token]
-    where = find_first_divergence(engine, model, sample)
+    tokens = rollouts.prompts[first.sample] + rollouts.completions[first.sample][: first.token]
+    where = find_first_divergence(engine, model, tokens)
     message = f"step {step}: {first.message}; first divergence: {where}"
     if args.parity.assert_bitwise:
         log_step(writer, step, {f"parity/{k}": v for k, v in parity.items()}, "parity broken", world)
@@ -939,15 +943,6 @@ def on_mismatch(first: Mismatch, engine, model: Qwen3, rollouts: Rollouts, parit
 
 
 # ===== The loop, and main() =====
-def reference_policy(model: Qwen3, world: World = World()) -> Qwen3:
-    with torch.device(model.device):
-        ref_model = Qwen3(model.args, model.kernels, model.tok_embeddings.weight.dtype).requires_grad_(False)
-    with torch.no_grad():
-        for p, ref in zip(model.parameters(), ref_model.parameters(), strict=True):
-            ref.copy_(gathered(p))  # one gathered weight at a time
-    return shard_model(ref_model, world) if world.size > 1 else ref_model
-
-
 def warm_start(model: Qwen3, inputs, order: list[int], args: Args, world: World = World()) -> None:
     """--sft-steps of SFT on reference answers (own optimizer); TensorBoard run <run_name>/warm_start."""
     from torch.utils.tensorboard import SummaryWriter
@@ -1062,6 +1057,9 @@ def existing_parent(path: Path) -> Path:
 def check_resume(args: Args) -> tuple[Args, int]:
     """The args of a resumed run (its name kept) and its step; names every flag contradicting the run."""
     saved, step = saved_run(Path(args.run.resume))
+    if args.run.run_name not in (None, saved.run.run_name):
+        raise UsageError(f"--run-name {args.run.run_name}: a resumed run keeps its name "
+                         f"({saved.run.run_name}); leave --run-name out")
     values = [(name, getattr(given, name), getattr(had, name)) for group in dataclasses.fields(Args)
               for given, had in [(getattr(args, group.name), getattr(saved, group.name))]
               for name, hint in typing.get_type_hints(type(given), include_extras=True).items()
@@ -1101,6 +1099,15 @@ def check_args(args: Args, world_size: int) -> Args:
         (s.samples_per_prompt >= 2, "--samples-per-prompt must be at least 2: GRPO normalises rewards "
                                     "within each group"),
         (0 < s.top_p <= 1, "--top-p must be in (0, 1] (1 keeps every token)"),
+        (s.temperature >= 1e-5, f"--temperature {s.temperature:g} is below 1e-5, where vLLM samples greedily "
+         "(and the trainer would divide by it)"),
+        (data.seed < 2**63 // 10**9, f"--seed must be below {2**63 // 10**9}: a step's sampling seeds, "
+         "seed * 1e9 + i, are 64-bit"),
+        (o.steps <= 10**8, "--steps must be at most 100,000,000 (a step takes seconds)"),
+        (not (data.thinking and data.prompt_format == "plain"), "--thinking opens a <think> block in Qwen3's "
+         "chat template: use --prompt-format chat or auto"),
+        (not (args.parity.locate_divergence and args.parity.assert_bitwise), "--locate-divergence is for "
+         "--no-assert-bitwise runs: a parity abort always locates the divergence"),
         (loss.kl_coef == 0 or (s.top_k == 0 and s.top_p == 1), "--kl-coef must be 0 with --top-k or --top-p: "
          "a sampled token can lie outside the reference policy's kept set, where the KL is infinite"),
         (0 <= o.min_lr_ratio <= 1, "--min-lr-ratio must be between 0 and 1"),
@@ -1151,10 +1158,13 @@ def read_config(model_dir: Path) -> dict:
         raise UsageError(f"{path}: a JSON object of the model's settings was expected")
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
             "intermediate_size", "rms_norm_eps", "max_position_embeddings")
-    missing = [key for key in keys if not isinstance(config.get(key), (int, float))]
+    missing = [key for key in keys if key not in config]
     if config.get("model_type") != "qwen3" or missing:
         what = f"no {', '.join(missing)}" if missing else f"model_type is {config.get('model_type')!r}"
         raise UsageError(f"{path}: {what}; this trainer needs a Hugging Face Qwen3 config")
+    for key in keys:
+        if not isinstance(config[key], (int, float)) or isinstance(config[key], bool):
+            raise UsageError(f"{path}: {key} is {config[key]!r}; it must be a number")
     rope = rope_parameters(config)
     unsupported = {"hidden_act": config.get("hidden_act", "silu") != "silu",
                    "attention_bias": bool(config.get("attention_bias", False)),
@@ -1198,13 +1208,20 @@ def check_checkpoint(model_dir: Path, args) -> None:
                          "weights: save the checkpoint in bfloat16")
 
 
+def load_gsm8k(split: str) -> list[dict]:
+    """[{question, answer}] of openai/gsm8k 'main' from `datasets` (a local jsonl: `read_gsm8k_jsonl`)."""
+    from datasets import load_dataset
+    return [{"question": r["question"], "answer": r["answer"]} for r in load_dataset("openai/gsm8k", "main",
+                                                                                     split=split)]
+
+
 def read_gsm8k_jsonl(path: str) -> list[dict]:
     """[{question, answer}] of a local GSM8K-format jsonl, each line checked."""
     if not Path(path).is_file():
         raise UsageError(f"{path}: {'a directory' if Path(path).is_dir() else 'no such file'} (expected a "
                          "GSM8K-format jsonl file)")
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # a BOM, as Windows editors write
     except UnicodeDecodeError:
         raise UsageError(f"{path}: not UTF-8 text (save the jsonl as UTF-8)") from None
     rows = []
@@ -1323,7 +1340,13 @@ def load_inputs(args: Args) -> Inputs:
                          f"of {model_args.vocab_size} (tokenizer files missing, or from another model)")
     if args.data.prompt_format == "chat" and tokenizer.chat_template is None:
         raise UsageError("--prompt-format chat: this tokenizer has no chat template; use plain or auto")
+    if args.sampling.top_k > model_args.vocab_size:
+        raise UsageError(f"--top-k {args.sampling.top_k} is more than the vocabulary's "
+                         f"{model_args.vocab_size} tokens (0 keeps them all)")
     train_rows = encoded_split(args.data.dataset, "train", "train set", tokenizer, args.data)
+    if args.sampling.prompts_per_step > len(train_rows):
+        raise UsageError(f"--prompts-per-step {args.sampling.prompts_per_step} is more than the train set's "
+                         f"{len(train_rows)} questions")
     eval_rows = encoded_split(args.data.eval_dataset, "test", "eval set", tokenizer, args.data) \
         if args.run.eval_every else []
     return Inputs(model_dir, model_args, saved_run(model_dir)[1] if args.run.resume else 0, tokenizer,
@@ -1508,6 +1531,16 @@ def shard_model(model: Qwen3, world: World) -> Qwen3:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
     return model
+
+
+def reference_policy(model: Qwen3, world: World = World()) -> Qwen3:
+    """A frozen copy of the policy (KL's reference), sharded as the policy is."""
+    with torch.device(model.device):
+        ref_model = Qwen3(model.args, model.kernels, model.tok_embeddings.weight.dtype).requires_grad_(False)
+    with torch.no_grad():
+        for p, ref in zip(model.parameters(), ref_model.parameters(), strict=True):
+            ref.copy_(gathered(p))  # one gathered weight at a time
+    return shard_model(ref_model, world) if world.size > 1 else ref_model
 
 
 def shard_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,7 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
     good = config.read_text()
     for text, message in [(json.dumps(dict(qwen3_config(), model_type="llama")), "model_type is 'llama'; "),
                           (json.dumps({k: v for k, v in qwen3_config().items() if k != "hidden_size"}), "no hidden_size"),
+                          (json.dumps(dict(qwen3_config(), hidden_size="64")), "hidden_size is '64'; it must be a number"),
                           ("[1, 2]", "a JSON object of the model's settings"), ("{not json", "not valid JSON")]:
         config.write_text(text)
         with pytest.raises(simple_rl.UsageError, match=message) as error:
