@@ -1,11 +1,11 @@
 """Bitwise-exact on-policy GRPO: Qwen3 on GSM8K, rollouts from vLLM, training on a TorchTitan-style Qwen3
 that runs vLLM's own kernels. On every GPU the two take turns.
 
-    VLLM_BATCH_INVARIANT=1 python simple_rl.py            # Qwen3-1.7B and GSM8K from the hub
-    VLLM_BATCH_INVARIANT=1 python simple_rl.py --model DIR --dataset train.jsonl --eval-dataset test.jsonl
-    VLLM_BATCH_INVARIANT=1 torchrun --nproc-per-node 2 simple_rl.py ...   # data parallel, FSDP2 trainer
-    VLLM_BATCH_INVARIANT=1 python simple_rl.py --resume checkpoints/RUN/step_000100   # continue a run
-    python simple_rl.py --no-assert-bitwise   # batch invariance off: the mismatch is reported; logs in runs/
+    VLLM_BATCH_INVARIANT=1 python simple_rl.py      # Qwen3-1.7B, GSM8K: the hub
+    VLLM_BATCH_INVARIANT=1 python simple_rl.py --model DIR --dataset JSONL ...
+    VLLM_BATCH_INVARIANT=1 torchrun --nproc-per-node N simple_rl.py ...
+    VLLM_BATCH_INVARIANT=1 python simple_rl.py --resume checkpoints/RUN/step_N
+    python simple_rl.py --no-assert-bitwise   # off: the mismatch is reported
 
 Asserted on every sampled token unless --no-assert-bitwise: the trainer's fp32 logprob equals, bit for bit,
 the one vLLM returned when it sampled the token, whatever either side's batch (the importance ratio is exactly
@@ -192,25 +192,31 @@ def saved_run(checkpoint: Path) -> tuple[Args, int]:
         what = ("not a checkpoint of this script (no training_state/run.json)" if checkpoint.is_dir()
                 else "a file, not a checkpoint directory" if checkpoint.exists() else "no such directory")
         raise UsageError(f"--resume {checkpoint}: {what}")
-    run = json.loads(run_file.read_text())
     try:
+        run = json.loads(run_file.read_text(encoding="utf-8"))
         groups = {f.name: f.default_factory(**run["args"][f.name]) for f in dataclasses.fields(Args)}
-        return Args(**groups), run["step"]
+        step = run["step"]
+    except ValueError as e:  # not JSON, not UTF-8
+        raise UsageError(f"--resume {checkpoint}: {run_file} is broken ({e}); use an earlier one") from None
     except (KeyError, TypeError):
         raise UsageError(f"--resume {checkpoint}: written by another version of simple_rl.py (its flags "
                          "differ); resume it with that version") from None
+    also = {float: (int, float), type(None): (str,)}  # a float saved as 1; a name or path (default None)
+    typed = [flag(f.name) for g in groups.values() for f in dataclasses.fields(g) if not isinstance(
+             getattr(g, f.name), (type(None), *also.get(type(f.default), [type(f.default)])))]
+    if typed or type(step) is not int or step < 0:
+        raise UsageError(f"--resume {checkpoint}: {run_file} holds a wrong value: {', '.join(typed) or step}")
+    return Args(**groups), step
 
 
 def parse_command_line(argv: list[str] | None = None) -> Args:
     """The flags, each number in its range; with --resume, the run's saved flags overridden by those given."""
-    commands = ("    VLLM_BATCH_INVARIANT=1 python simple_rl.py ...          (one GPU)\n"
-                "    VLLM_BATCH_INVARIANT=1 torchrun --nproc-per-node N simple_rl.py ...")
     setting = ("Set VLLM_BATCH_INVARIANT=1 in the environment: vLLM reads it at import, and without it the "
                "logprobs cannot be bitwise equal.")
     about, setting = (textwrap.fill(" ".join(text.split()), 78, initial_indent="  ", subsequent_indent="  ")
                       for text in (__doc__.split("\n\n")[0], setting))
     options = dict(args=argv, config=(tyro.conf.OmitArgPrefixes, tyro.conf.DisallowNone),
-                   description=f"{about}\n\n{commands}\n\n{setting}")  # indented: tyro keeps the lines
+                   description=f"{about}\n\n{__doc__.split(chr(10) * 2)[1]}\n\n{setting}")  # indented: kept
     args = tyro.cli(Args, **options)
     if args.run.resume is not None:
         args = tyro.cli(Args, default=saved_run(Path(args.run.resume))[0], **options)
@@ -969,9 +975,8 @@ def grpo(args: Args, engine, model: Qwen3, inputs, order: list[int], writer, wor
     s, o, run = args.sampling, args.optimizer, args.run
     ref_model = reference_policy(model, world) if args.loss.kl_coef > 0 else None  # KL to GRPO's start
     optimizer = MasterWeights(model, o.lr, o.weight_decay, args.engine.offload_optimizer)
-    totals = {"tokens_checked": 0, "mismatched_tokens": 0}
-    if inputs.start_step:
-        totals = restore_training_state(inputs.model_dir, optimizer, ref_model, args, world)
+    totals = (restore_training_state(inputs.model_dir, optimizer, ref_model, args, world) if inputs.start_step
+              else {"tokens_checked": 0, "mismatched_tokens": 0})
     if run.eval_every and inputs.start_step % run.eval_every == 0:  # before training, or a resume when due
         log_eval(engine, inputs, args, inputs.start_step, writer, world)
     for step in progress_bar(range(inputs.start_step, o.steps), "GRPO", world):
@@ -1154,6 +1159,8 @@ def read_config(model_dir: Path) -> dict:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read it ({e.strerror})") from None
     if not isinstance(config, dict):
         raise UsageError(f"{path}: a JSON object of the model's settings was expected")
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
@@ -1176,11 +1183,12 @@ def read_config(model_dir: Path) -> dict:
     return config
 
 
-def check_checkpoint(model_dir: Path, args) -> None:
+def check_checkpoint(model_dir: Path, args, source: str = "--model") -> None:
+    """Its weights' names, shapes and dtype against config.json (`source`: the flag that named it)."""
     from safetensors import SafetensorError, safe_open  # headers only: fail before anything slow starts
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise UsageError(f"--model {model_dir}: no *.safetensors weights in the directory")
+        raise UsageError(f"{source} {model_dir}: no *.safetensors weights in the directory")
     found = {}  # name -> (shape, dtype)
     for f in files:
         try:
@@ -1188,7 +1196,8 @@ def check_checkpoint(model_dir: Path, args) -> None:
                 found |= {name: (tuple(weights.get_slice(name).get_shape()),
                                  weights.get_slice(name).get_dtype()) for name in weights.keys()}
         except SafetensorError as e:
-            raise UsageError(f"--model {model_dir}: {f.name} is not a whole safetensors file ({e}); download "
+            raise UsageError(f"{source} {model_dir}: {f.name} is not a whole safetensors file ({e}); "
+                             "download "
                              "or save it again") from None
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in hf_weights(Qwen3(args))}
@@ -1200,11 +1209,11 @@ def check_checkpoint(model_dir: Path, args) -> None:
                  for name, shape in expected.items() if name in found and found[name][0] != shape]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise UsageError(f"--model {model_dir}: the weights do not match config.json: "
+        raise UsageError(f"{source} {model_dir}: the weights do not match config.json: "
                          + "; ".join(problems[:3]) + more)
     other = sorted({dtype for _, dtype in found.values()} - {"BF16"})
     if other:  # vLLM would serve them rounded to bf16, the trainer would train other weights
-        raise UsageError(f"--model {model_dir}: the weights are {', '.join(other)}; both sides run bf16 "
+        raise UsageError(f"{source} {model_dir}: the weights are {', '.join(other)}; both sides run bf16 "
                          "weights: save the checkpoint in bfloat16")
 
 
@@ -1288,14 +1297,29 @@ def end_of_sequence_ids(tokenizer, model_dir: Path) -> list[int]:
     return sorted(ids)
 
 
-def warn_if_short_of_disk(args: Args, model_args) -> None:
-    """Checkpoints take 16 bytes a parameter (bf16, fp32 master, 2 AdamW moments), 18 with a reference."""
-    need = sum(p.numel() for p in meta_qwen3(model_args).parameters()) * (18 if args.loss.kl_coef else 16)
-    root = Path(args.run.output_dir)
+def in_units(n: float) -> str:
+    return next(f"{n / 2**k:.1f} {unit}" for k, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B"))
+                if n >= 2**k or k == 0)
+
+
+def checkpoint_bytes(args: Args, model_args) -> int:
+    """16 bytes a parameter (bf16, fp32 master, 2 AdamW moments), 18 with a reference."""
+    return sum(p.numel() for p in meta_qwen3(model_args).parameters()) * (18 if args.loss.kl_coef else 16)
+
+
+def check_disk(args: Args, model_args) -> None:
+    """A save writes the new checkpoint before it removes the oldest: --keep-last + 1 of them at once.
+    Refuses a run whose first checkpoint cannot fit; warns of one whose later ones will not."""
+    one, root = checkpoint_bytes(args, model_args), Path(args.run.output_dir)
+    saves = args.optimizer.steps // args.run.save_every + 1 if args.run.save_every else 1
+    most = one * min(saves, args.run.keep_last + 1 if args.run.keep_last else saves)
     free = shutil.disk_usage(existing_parent(root)).free
-    if free < need:
-        print(f"warning: {root} has {free / 2**30:.1f} GiB free; a checkpoint of this model needs about "
-              f"{need / 2**30:.1f} GiB")
+    if free < one:
+        raise UsageError(f"--output-dir {root}: {in_units(free)} free, but a checkpoint of this model takes "
+                         f"about {in_units(one)}; free some, give another --output-dir, or --save-every -1")
+    if free < most:
+        print(f"warning: {root} has {in_units(free)} free; the run's checkpoints take up to {in_units(most)} "
+              "at once (--keep-last + 1): a later save will fail")
 
 
 @dataclass
@@ -1327,16 +1351,18 @@ def load_inputs(args: Args) -> Inputs:
         check_bitwise_head_dim(model_args.head_dim, longest, model_dir)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    check_checkpoint(model_dir, model_args)
+    source = "--resume" if args.run.resume else "--model"  # a checkpoint's weights are named as such
+    check_checkpoint(model_dir, model_args, source)
     if args.run.save_every >= 0:
-        warn_if_short_of_disk(args, model_args)
+        check_disk(args, model_args)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:
-        raise UsageError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: "
+        raise UsageError(f"{source} {model_dir}: cannot load its tokenizer ({type(e).__name__}: "
                          f"{str(e).splitlines()[0]})") from e
     if not 1 < len(tokenizer) <= model_args.vocab_size:  # transformers makes a 1-token one with no files
-        raise UsageError(f"--model {model_dir}: its tokenizer has {len(tokenizer)} token(s) for a vocabulary "
+        raise UsageError(f"{source} {model_dir}: its tokenizer has {len(tokenizer)} token(s) for a "
+                         "vocabulary "
                          f"of {model_args.vocab_size} (tokenizer files missing, or from another model)")
     if args.data.prompt_format == "chat" and tokenizer.chat_template is None:
         raise UsageError("--prompt-format chat: this tokenizer has no chat template; use plain or auto")
@@ -1686,24 +1712,51 @@ class HostStaging(DefaultSavePlanner):
         return to_host(data) if isinstance(data, torch.Tensor) else data
 
 
+class CheckpointError(Exception):
+    """A save that failed (a full disk): one line, exit status 1; the earlier checkpoints stand."""
+
+
 def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, inputs, args: Args, step: int,
                     totals: dict, writer=None, world: World = World()) -> None:
     """<output_dir>/<run_name>/step_N; keeps the newest --keep-last (and the one this run resumed from)."""
+    import threading
     import torch.distributed.checkpoint as dcp
     if world.is_main and writer is not None:  # TensorBoard holds every step up to it: should the run die
         writer.flush()
     start = time.perf_counter()
     out_dir = Path(args.run.output_dir) / args.run.run_name / f"step_{step:06d}"
-    with atomic_directory(out_dir, world) as tmp:
-        write_hf_checkpoint(model, inputs.model_dir, tmp, world)
-        # Page cache only (syncing doubled the save time): a kill keeps every save, a power cut earlier ones.
-        dcp.save(training_state(optimizer, ref_model), no_dist=world.size == 1, planner=HostStaging(),
-                 storage_writer=dcp.FileSystemWriter(tmp / TRAINING_STATE, thread_count=8, sync_files=False))
-        if world.is_main:
-            run = {"args": asdict(args), "step": step, "world_size": world.size}
-            (tmp / TRAINING_STATE / "run.json").write_text(json.dumps(run, indent=2))
-            record = parity_record(args, model, totals)
-            (tmp / TRAINING_STATE / "parity.json").write_text(json.dumps(record, indent=2))
+    failures, hook = [], threading.excepthook  # DCP's writer threads: their error once, not a traceback each
+    threading.excepthook = lambda failure: failures.append(failure.exc_value)
+    try:
+        with atomic_directory(out_dir, world) as tmp:
+            write_hf_checkpoint(model, inputs.model_dir, tmp, world)
+            # Page cache only (syncing doubled the save time): a kill keeps every save, a power cut earlier
+            # ones.
+            files = dcp.FileSystemWriter(tmp / TRAINING_STATE, thread_count=8, sync_files=False)
+            dcp.save(training_state(optimizer, ref_model), no_dist=world.size == 1, planner=HostStaging(),
+                     storage_writer=files)
+            if world.is_main:
+                run = {"args": asdict(args), "step": step, "world_size": world.size}
+                (tmp / TRAINING_STATE / "run.json").write_text(json.dumps(run, indent=2))
+                record = parity_record(args, model, totals)
+                (tmp / TRAINING_STATE / "parity.json").write_text(json.dumps(record, indent=2))
+    except BaseException as e:  # DCP raises a CheckpointException (a BaseException) with each rank's errors
+        causes = [e, *(cause for cause, _ in getattr(e, "failures", {}).values()), *failures]
+        error = next((cause for cause in causes if isinstance(cause, OSError)), None)
+        if error is None:
+            raise
+        if world.is_main and writer is not None:  # the steps done keep their certificate
+            record = json.dumps(parity_record(args, model, totals), indent=2)
+            (Path(writer.log_dir) / "parity.json").write_text(record)
+        if world.is_main and not any(out_dir.parent.iterdir()):
+            out_dir.parent.rmdir()  # the run's first save: nothing of it stays
+        last = sorted(out_dir.parent.glob("step_[0-9]*")) if out_dir.parent.exists() else []
+        free, need = shutil.disk_usage(existing_parent(out_dir)).free, checkpoint_bytes(args, model.args)
+        raise CheckpointError(f"checkpoint {out_dir} not written ({error.strerror or error}): "
+                              f"{in_units(free)} free, it takes about {in_units(need)}; the last whole "
+                              f"checkpoint is {last[-1] if last else 'none'}") from None
+    finally:
+        threading.excepthook = hook
     if world.is_main:
         print(f"checkpoint {out_dir} written in {time.perf_counter() - start:.1f} s")
         for stale in out_dir.parent.glob(".step_*"):  # what a run killed mid-save left
@@ -1882,3 +1935,5 @@ if __name__ == "__main__":  # the one error boundary: a usage error exits 2, bro
         exit_on(e, 2)
     except ParityError as e:
         exit_on(f"bitwise parity broken at {e}", 1)
+    except CheckpointError as e:
+        exit_on(e, 1)
