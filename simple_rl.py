@@ -35,6 +35,7 @@ import sys
 import textwrap
 import time
 import typing
+import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -87,12 +88,10 @@ class Loss:
     # sampler probability, truncated at --correction-max ('tis') or zeroed outside [--correction-min,
     # --correction-max] ('mis'); 'none' clips the ratio to the sampler (PPO)
     correction: Literal["none", "tis", "mis"] = "none"
-    # a weight per token, or one per sequence from its summed log-ratios (token-level ones collapse more)
-    correction_level: Literal["token", "sequence"] = "sequence"
+    correction_level: Literal["token", "sequence"] = "sequence"  # a weight per token, or per sequence (sums)
     correction_min: float = 0.5  # mis: the smallest weight kept
     correction_max: float = 2.0  # tis: where weights are truncated; mis: the largest weight kept
-    # sequence level: the geometric mean exp(mean log-ratio), not exp(sum): the bounds fit any length
-    correction_geometric_mean: bool = False
+    correction_geometric_mean: bool = False  # sequence: exp(mean log-ratio), not exp(sum): fits any length
 
 
 @dataclass
@@ -119,22 +118,17 @@ class Parity:
     """The bitwise check of every sampled token."""
     assert_bitwise: bool = True  # abort at the first sampled token whose trainer logprob differs from vLLM's
     parity_report_tokens: int = 4  # first tokens of sample 0 printed each step, both logprobs; 0: summary
-    # with --no-assert-bitwise, at each mismatch find the first op whose bits differ (as an abort always does)
-    locate_divergence: bool = False
+    locate_divergence: bool = False  # with --no-assert-bitwise: at each mismatch, the first op to differ
 
 
 @dataclass
 class Engine:
     """How vLLM and the trainer share the GPU (simple_rl.py refuses, naming what would fit, what cannot)."""
-    # share of the GPU's memory vLLM holds while generating (weights, KV cache, CUDA graphs), freed to train
-    vllm_gpu_memory: float = 0.5
+    vllm_gpu_memory: float = 0.5  # share of the GPU vLLM holds while generating (weights, KV cache, graphs)
     vllm_cuda_graphs: bool = True  # decode steps as CUDA graphs (no torch.compile: same bits as eager)
-    # tokens (prompts + completions, packed) per trainer forward + backward; activation memory grows with it
-    max_tokens_per_microbatch: int = 8192
-    # recompute each layer in the backward from its input: a fraction of the activation memory, ~1/3 slower
-    activation_checkpointing: bool = False
-    # keep the fp32 masters and AdamW's moments (12 bytes a parameter) in host memory; AdamW steps on the CPU
-    offload_optimizer: bool = False
+    max_tokens_per_microbatch: int = 8192  # packed tokens per trainer forward + backward (activation memory)
+    activation_checkpointing: bool = False  # recompute each layer in the backward: less memory, ~1/3 slower
+    offload_optimizer: bool = False  # fp32 masters, AdamW (12 bytes a parameter) in host memory; AdamW on CPU
 
 
 @dataclass
@@ -147,6 +141,7 @@ class Run:
     output_dir: str = "checkpoints"  # where checkpoints are written
     save_every: int = 0  # checkpoint every N steps and after the last; 0: after the last only; -1: never
     keep_last: int = 3  # checkpoints of the run kept on disk, the newest; 0 keeps all
+    verbose: bool = False  # show vLLM's, torch's and DCP's logs live too (all go to runs/<run-name>/log.txt)
     # a checkpoint (<output-dir>/<run-name>/step_N) to continue its run from, with its saved flags; flags
     # given too may change what a resume may (learning rate, steps, logging, checkpoints). Bit for bit on
     # as many GPUs; on another count, the state is restored exactly but gradients sum in another order
@@ -171,6 +166,7 @@ RANGES = {"at least 1": ("steps", "prompts_per_step", "max_new_tokens", "max_pro
           ">= 0": ("seed", "top_k", "warmup_steps", "weight_decay", "kl_coef", "entropy_coef", "sft_steps",
                    "parity_report_tokens", "eval_every", "keep_last"),
           "> 0": ("temperature", "lr", "sft_lr", "max_grad_norm", "clip_eps")}
+TERMINAL = sys.stderr  # the script's errors; others' logs go to runs/<run>/log.txt once training starts
 
 
 class UsageError(Exception):
@@ -235,7 +231,7 @@ def parse_command_line(argv: list[str] | None = None) -> Args:
 def exit_on(error: Exception, status: int) -> None:
     """The one way out on an error: a line on stderr (from rank 0 alone under torchrun), and the status."""
     if torchrun_rank_and_size()[0] == 0:
-        print(f"error: {error}", file=sys.__stderr__)
+        print(f"error: {error}", file=TERMINAL)
     sys.exit(status)
 
 
@@ -1011,8 +1007,9 @@ def grpo(args: Args, engine, model: Qwen3, inputs, order: list[int], writer, wor
         (Path(writer.log_dir) / "parity.json").write_text(record)
 
 
-def main(args: Args, device: str = "cuda", engine_class=VLLMEngine) -> Path:
-    """Train; returns the run's TensorBoard directory. Tests give another `engine_class` (a CPU stand-in)."""
+def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool = False) -> Path:
+    """Train; returns the run's TensorBoard directory. Tests give another `engine_class` (a CPU stand-in); the
+    script is `quiet`: from vLLM's start on, others' logs go to runs/<run>/log.txt, not the terminal."""
     args = check_args(args, torchrun_rank_and_size()[1])
     inputs = load_inputs(args)
     if device == "cuda" and not torch.cuda.is_available():
@@ -1020,6 +1017,8 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine) -> Path:
     world = init_distributed(device)
     if device == "cuda":  # before vLLM starts: a model that cannot fit is refused, not run out of memory
         check_gpu_memory(inputs.model_args, args, world)
+    if quiet:
+        log_to_file(args.run.run_name, args.run.verbose, world)
     random.seed(args.data.seed)  # the loop draws from no global generator: seeded (and saved) for additions
     torch.manual_seed(args.data.seed)
     # torchrun: an engine a rank (vLLM's external launcher, no vLLM data parallelism) samples alone.
@@ -1733,8 +1732,10 @@ def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, inputs, a
             # Page cache only (syncing doubled the save time): a kill keeps every save, a power cut earlier
             # ones.
             files = dcp.FileSystemWriter(tmp / TRAINING_STATE, thread_count=8, sync_files=False)
-            dcp.save(training_state(optimizer, ref_model), no_dist=world.size == 1, planner=HostStaging(),
-                     storage_writer=files)
+            with warnings.catch_warnings():  # "...assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                dcp.save(training_state(optimizer, ref_model), no_dist=world.size == 1, planner=HostStaging(),
+                         storage_writer=files)
             if world.is_main:
                 run = {"args": asdict(args), "step": step, "world_size": world.size}
                 (tmp / TRAINING_STATE / "run.json").write_text(json.dumps(run, indent=2))
@@ -1773,7 +1774,9 @@ def restore_training_state(checkpoint_dir: Path, optimizer: MasterWeights, ref_m
     mismatched so far, and warns if another stack (torch, vLLM, GPU...) wrote it."""
     import torch.distributed.checkpoint as dcp
     state = training_state(optimizer, ref_model)
-    dcp.load(state, checkpoint_id=checkpoint_dir / TRAINING_STATE, no_dist=world.size == 1)
+    with warnings.catch_warnings():  # "...assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=checkpoint_dir / TRAINING_STATE, no_dist=world.size == 1)
     for group in optimizer.optimizer.param_groups:
         group["weight_decay"] = args.optimizer.weight_decay  # may change on resume; the lr is set every step
     random.setstate((3, tuple(state["rng"]["python"].tolist()), None))
@@ -1800,6 +1803,45 @@ def phase(name: str, times: dict, memory: dict):
         free, total = torch.cuda.mem_get_info()
         memory[name] = (total - free) / 2**30
     times[name] = time.perf_counter() - start
+
+
+def log_to_file(run_name: str, verbose: bool, world: World) -> None:
+    """From here on, all that reaches stderr, from Python or C++ (vLLM's log and progress bars, torch's and
+    DCP's warnings), goes to runs/<run>/log.txt a line at a time, timestamped (log.rank<r>.txt on other
+    ranks); with `verbose` (or VLLM_LOGGING_LEVEL=INFO) to the terminal too. The script's own lines are on
+    stdout, its errors and any traceback on the terminal's stderr."""
+    import atexit
+    import threading
+    import traceback
+    global TERMINAL
+    verbose = verbose or os.environ.get("VLLM_LOGGING_LEVEL", "").upper() == "INFO"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # all of vLLM's log: it goes to the file
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    path = Path("runs") / run_name / ("log.txt" if world.is_main else f"log.rank{world.rank}.txt")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    terminal, (read, write) = os.dup(2), os.pipe()
+    os.dup2(write, 2)  # fd 2 itself: C++ writes there too
+    os.close(write)
+    TERMINAL = os.fdopen(terminal, "w", buffering=1)
+    sys.excepthook = lambda *exc: [traceback.print_exception(*exc, file=to) for to in (sys.stderr, TERMINAL)]
+
+    def copy() -> None:
+        with open(read, "rb") as pipe, open(path, "a", encoding="utf-8") as log:
+            for line in pipe:
+                text = line.decode(errors="replace")
+                log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
+                log.flush()
+                if verbose:
+                    TERMINAL.write(text)
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+
+    def close() -> None:  # at exit: the pipe's last lines reach the file
+        sys.stderr.flush()
+        os.dup2(terminal, 2)
+        thread.join(timeout=5)
+    atexit.register(close)
 
 
 def progress_bar(steps: range, name: str, world: World):
@@ -1930,7 +1972,7 @@ def find_first_divergence(engine: VLLMEngine, model: Qwen3, tokens: list[int]) -
 
 if __name__ == "__main__":  # the one error boundary: a usage error exits 2, broken parity 1, in one line
     try:
-        main(COMMAND_LINE)
+        main(COMMAND_LINE, quiet=True)
     except UsageError as e:
         exit_on(e, 2)
     except ParityError as e:

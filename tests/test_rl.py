@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -513,7 +514,7 @@ def test_head_sizes_whose_attention_vllm_computes_otherwise_are_refused():
 # logging and the locator, each a single call.
 PLUMBING_ENTRY_POINTS = {
     "check_args", "load_inputs", "read_config", "rope_parameters", "check_gpu_memory", "gathered", "local_part",
-    "to_host", "to_device", "weight_deltas", "mismatch_by_probability", "reference_policy", "init_distributed", "shard_model", "whole_step",
+    "to_host", "to_device", "weight_deltas", "mismatch_by_probability", "reference_policy", "log_to_file", "init_distributed", "shard_model", "whole_step",
     "restore_training_state", "save_checkpoint", "parity_record", "open_tensorboard", "progress_bar", "phase",
     "log_step", "log_line", "log_eval", "log_parity", "step_scalars", "step_line", "find_first_divergence",
 }
@@ -522,7 +523,7 @@ PLUMBING_ENTRY_POINTS = {
 def test_the_rl_story_comes_first():
     """simple_rl.py reads top to bottom: every module-level name a definition uses is defined above it, except
     the plumbing entry points the story calls below the Plumbing banner. The story (the top of the file to the
-    banner) takes at most 1,050 lines, its loop grpo() at most 45; the file 1,950, no line over 110 chars."""
+    banner) takes at most 1,050 lines, its loop grpo() at most 45; the file 2,000, no line over 110 chars."""
     text = (REPO / "simple_rl.py").read_text()
     lines, tree = text.splitlines(), ast.parse(text)
     banner = next(n for n, line in enumerate(lines, 1) if line.startswith("# ===== Plumbing"))
@@ -549,7 +550,7 @@ def test_the_rl_story_comes_first():
     assert all(defined[name] > banner for name in PLUMBING_ENTRY_POINTS)
     grpo = next(node for node in tree.body if getattr(node, "name", None) == "grpo")
     assert banner <= 1050 and grpo.end_lineno - grpo.lineno + 1 <= 45
-    assert len(lines) <= 1950, f"simple_rl.py has {len(lines)} lines"
+    assert len(lines) <= 2000, f"simple_rl.py has {len(lines)} lines"
     assert [n for n, line in enumerate(lines, 1) if len(line) > 110] == []
 
 
@@ -630,6 +631,35 @@ def small_run(model_dir, **flags):
     return make_args(**dict(model=str(model_dir), dataset=str(gsm8k_jsonl("train")),
                             eval_dataset=str(gsm8k_jsonl("test")), prompts_per_step=2, samples_per_prompt=2,
                             max_new_tokens=6, max_prompt_tokens=400, max_tokens_per_microbatch=500) | flags)
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_others_logs_go_to_the_run_log_not_the_terminal(tmp_path, verbose):
+    """The script's run: from the engine's start, what others write to stderr, from Python (a warning) or C++
+    (fd 2 itself), goes to runs/<run>/log.txt, each line timestamped; the terminal keeps the script's own
+    lines. --verbose shows them live too."""
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    code = f"""
+import os, sys, warnings
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+import simple_rl, test_rl
+class Noisy(test_rl.TrainerAsSampler):
+    def __init__(self, *args, **kwargs):
+        warnings.warn("a library's warning")
+        os.write(2, b"a C++ warning\\n")
+        super().__init__(*args, **kwargs)
+args = test_rl.small_run({str(model_dir)!r}, run_name="quiet", steps=2, eval_every=0, assert_bitwise=False,
+                         verbose={verbose})
+simple_rl.main(args, device="cpu", engine_class=Noisy, quiet=True)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                            env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
+    assert result.returncode == 0, result.stderr
+    assert "step 1: reward" in result.stdout
+    log = (tmp_path / "runs" / "quiet" / "log.txt").read_text()
+    for noise in ("a library's warning", "a C++ warning"):
+        assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d .*" + re.escape(noise), log, re.M), log
+        assert (noise in result.stderr) == verbose and noise not in result.stdout
 
 
 def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
