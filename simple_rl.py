@@ -1830,8 +1830,11 @@ def log_to_file(run_name: str, verbose: bool, world: World) -> None:
         with open(read, "rb") as pipe, open(path, "a", encoding="utf-8") as log:
             for line in pipe:
                 text = line.decode(errors="replace")
-                log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
-                log.flush()
+                try:
+                    log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
+                    log.flush()
+                except OSError:  # a full disk: the pipe is still drained, or stderr's writers would block
+                    pass
                 if verbose:
                     TERMINAL.write(text)
     thread = threading.Thread(target=copy, daemon=True)
