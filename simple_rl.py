@@ -232,6 +232,9 @@ def exit_on(error: Exception, status: int) -> None:
     """The one way out on an error: a line on stderr (from rank 0 alone under torchrun), and the status."""
     if torchrun_rank_and_size()[0] == 0:
         print(f"error: {error}", file=TERMINAL)
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's summary then names this line as the root cause
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        ErrorHandler().record_exception(SystemExit(f"error: {error}"))
     sys.exit(status)
 
 
@@ -934,9 +937,8 @@ def on_mismatch(first: Mismatch, engine, model: Qwen3, rollouts: Rollouts, parit
     """Where the bits part: the first mismatching sample run through both sides with the weights that sampled
     it (none updated yet), op by op. With --assert-bitwise, the run stops there (exit status 1)."""
     engine.sync_weights(model, world, changed=False)
-    tokens = rollouts.prompts[first.sample] + rollouts.completions[first.sample][: first.token]
-    where = find_first_divergence(engine, model, tokens)
-    message = f"step {step}: {first.message}; first divergence: {where}"
+    seq = rollouts.prompts[first.sample] + rollouts.completions[first.sample][: first.token]
+    message = f"step {step}: {first.message}; first divergence: {find_first_divergence(engine, model, seq)}"
     if args.parity.assert_bitwise:
         log_step(writer, step, {f"parity/{k}": v for k, v in parity.items()}, "parity broken", world)
         raise ParityError(message)
@@ -1008,8 +1010,7 @@ def grpo(args: Args, engine, model: Qwen3, inputs, order: list[int], writer, wor
 
 
 def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool = False) -> Path:
-    """Train; returns the run's TensorBoard directory. Tests give another `engine_class` (a CPU stand-in); the
-    script is `quiet`: from vLLM's start on, others' logs go to runs/<run>/log.txt, not the terminal."""
+    """Train; returns runs/<run>. Tests give a CPU stand-in `engine_class`; the script runs `quiet`."""
     args = check_args(args, torchrun_rank_and_size()[1])
     inputs = load_inputs(args)
     if device == "cuda" and not torch.cuda.is_available():

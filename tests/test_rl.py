@@ -290,6 +290,18 @@ def test_flags_are_checked_before_torch_loads(tmp_path):
         assert result.returncode == 2 and bool(result.stderr.strip()) == (rank == "0"), result.stderr
 
 
+def test_under_torchrun_a_bad_flag_is_the_root_cause_torchrun_names(tmp_path):
+    """torchrun prints its own banner, traceback and failure summary, which no script can suppress; each rank
+    records the script's line in torchrun's error file, so the summary's root cause ends with it."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             str(REPO / "simple_rl.py"), "--steps", "0"], capture_output=True, text=True,
+                            cwd=tmp_path, env=os.environ | ON, timeout=300)
+    lines = [line for line in result.stderr.splitlines() if line.strip(" =")]
+    print(f"\n[torchrun, a bad flag] {len(result.stderr.splitlines())} lines on stderr")
+    assert result.returncode != 0 and "--steps must be at least 1" in lines[-1]
+    assert result.stderr.count("error: --steps must be at least 1") == 1  # rank 0's own line, once
+
+
 def test_help_groups_the_flags_and_keeps_their_names(tmp_path):
     result = run_script("--help", env_update={"COLUMNS": "80"}, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
