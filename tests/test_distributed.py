@@ -266,3 +266,43 @@ def test_saving_holds_no_more_than_a_shard_and_a_tensor(tmp_path):
           f"{grown[0] / 2**20:.0f} / {grown[1] / 2**20:.0f} MiB")
     assert max(grown) < state / 3 + largest
     assert (tmp_path / "checkpoints" / "r" / "step_000001" / "training_state" / ".metadata").is_file()
+
+
+def test_two_nodes_run_as_one_node_of_two_processes(tmp_path):
+    """torchrun's multi-node path, two agents on this host (--nnodes 2, --node-rank 0 and 1, one process each,
+    rendezvous on 127.0.0.1): the same TensorBoard scalars, bit for bit, as one node of two processes, and a
+    checkpoint both nodes wrote into (one filesystem) that resumes."""
+    import json
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    from test_rl import scalar_series
+
+    REPO = Path(__file__).resolve().parents[1]
+    flags = small_flags(write_gsm8k_model(tmp_path / "model"), steps=2, prompts_per_step=4, eval_every=0,
+                        run_name="run", save_every=1)
+    for workdir in ("one_node", "two_nodes"):
+        (tmp_path / workdir).mkdir()
+    run(2, tmp_path / "one_node", flags)
+    script = tmp_path / "node.py"
+    script.write_text(f"import json, sys\nsys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
+                      "import simple_rl, test_rl\nfrom conftest import make_args\n"
+                      "simple_rl.main(make_args(**json.loads(sys.argv[1])), device='cpu', "
+                      "engine_class=test_rl.TrainerAsSampler)\n")
+    port = free_port()
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                                str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+                                str(port), str(script), json.dumps(flags)], cwd=tmp_path / "two_nodes",
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), outputs
+    one, two = (scalar_series(tmp_path / d / "runs" / "run") for d in ("one_node", "two_nodes"))
+    times = ("time/", "perf/", "memory/")
+    assert {k: v for k, v in one.items() if not k.startswith(times)} == \
+        {k: v for k, v in two.items() if not k.startswith(times)}
+    checkpoint = tmp_path / "two_nodes" / "checkpoints" / "run" / "step_000001"
+    assert (checkpoint / "training_state" / ".metadata").is_file()
+    run(2, tmp_path / "two_nodes", flags | {"resume": str(checkpoint), "steps": 3, "run_name": None})
+    assert (checkpoint.parent / "step_000003" / "model.safetensors").is_file()

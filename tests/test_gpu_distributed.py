@@ -65,6 +65,37 @@ def test_two_gpus_are_bitwise_repeat_and_start_as_one_gpu(model_dir, tmp_path):
     assert values(a, "train/loss")[0] == pytest.approx(values(one, "train/loss")[0], rel=1e-2, abs=1e-6)
 
 
+def test_two_nodes_give_the_bits_of_one_node_and_resume(model_dir, tmp_path):
+    """torchrun's multi-node path on one host: two agents (--nnodes 2, --node-rank 0 and 1), one GPU each
+    (CUDA_VISIBLE_DEVICES), rendezvous on 127.0.0.1, NCCL forced onto sockets. Every TensorBoard scalar but the
+    timings and the final weights equal one node of 2 GPUs bit for bit; the checkpoint both nodes wrote into
+    (one filesystem here) resumes, bit for bit, to the end."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    command, env = two_gpu_command(tmp_path, model_dir, "run", extra=["--save-every", "1"])
+    one, weights_one = finish(command, env, tmp_path / "one", "run")
+    script = command[command.index("--nproc-per-node") + 2:]
+    port = str(29500 + os.getpid() % 1000)
+    sockets = env | {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                                str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+                                port, *script], cwd=tmp_path / "two", env=sockets | {"CUDA_VISIBLE_DEVICES": str(node)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = [agent.communicate(timeout=900)[0] for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), [out[-3000:] for out in outputs]
+    two = EventAccumulator(str(tmp_path / "two" / "runs" / "run")).Reload()
+    tags = [t for t in one.Tags()["scalars"] if not t.startswith(("time/", "perf/", "memory/"))]
+    for tag in tags:
+        assert values(one, tag) == values(two, tag), tag
+    weights_two = load_file(tmp_path / "two" / "checkpoints" / "run" / f"step_{STEPS:06d}" / "model.safetensors")
+    assert all(torch.equal(weights_one[k].view(torch.int16), weights_two[k].view(torch.int16)) for k in weights_one)
+    resume = ["--resume", str(tmp_path / "two" / "checkpoints" / "run" / "step_000001")]
+    resumed, weights_resumed = finish(*two_gpu_command(tmp_path, model_dir, "run", extra=resume), tmp_path / "two",
+                                      "run")
+    assert all(torch.equal(weights_one[k].view(torch.int16), weights_resumed[k].view(torch.int16))
+               for k in weights_one)
+
+
 def test_a_killed_rank_stops_the_others_within_a_minute(model_dir, tmp_path):
     command, env = two_gpu_command(tmp_path, model_dir, "killed", extra=["--steps", "50"])
     log = tmp_path / "out.log"
