@@ -256,7 +256,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
     CUDA_GRAPHS, EXACT, Kernels, _num_sms, check_bitwise_head_dim, first_divergence, install_exact_kernels,
-    kept_bytes, matmul_tiles, micro_batch_bytes, qwen3_gemms, rope_cos_sin_cache, trainer_trace, vllm_trace)
+    matmul_tiles, micro_batch_bytes, qwen3_gemms, rope_cos_sin_cache, trainer_trace, vllm_trace)
 
 
 # ===== The processes: one, or torchrun's =====

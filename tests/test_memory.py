@@ -2,13 +2,12 @@
 does not fit, the activations it counts against what the kernels' autograd Functions really keep, and a run
 refused (one line, exit status 2) before vLLM starts. tests/test_gpu_memory.py holds it against the GPU."""
 
-import dataclasses
-
 import pytest
 import torch
-from conftest import make_args, qwen3_config, write_checkpoint, write_gsm8k_model
+from conftest import gsm8k_jsonl, make_args, qwen3_config, write_checkpoint, write_gsm8k_model
 
 import simple_rl
+from batch_invariant_backward import kept_bytes
 
 H100, GiB = 81559 * 2**20, 2**30
 SHAPES = {  # Qwen3's, as torchtitan's Qwen3ModelArgs
@@ -98,25 +97,23 @@ def test_the_activations_planned_are_what_the_kernels_keep(tmp_path):
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         model(batch)
     cu_seqlens = 4 * (len(prompts) + 1)
-    assert sum(saved.values()) - cu_seqlens == simple_rl.kept_bytes(model.args, len(batch.tokens), 93)
+    assert sum(saved.values()) - cu_seqlens == kept_bytes(model.args, len(batch.tokens), 93)
 
 
-def test_a_model_that_cannot_fit_is_refused_before_vllm_starts(tmp_path, monkeypatch, capsys):
-    """simple_rl.main on a 'GPU' of 3 GiB: one line naming what would fit, exit status 2, and no engine made."""
+def test_a_model_that_cannot_fit_is_refused_before_vllm_starts(tmp_path, monkeypatch):
+    """simple_rl.main on a 'GPU' of 3 GiB: a usage error (one line, exit status 2 from the script) naming what
+    does not fit, before any engine is made, and nothing written."""
     class NoEngine:
         def __init__(self, *args, **kwargs):
             raise AssertionError("the engine started")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (3 * GiB, 3 * GiB))
-    model_dir = write_gsm8k_model(tmp_path / "model")
-    args = make_args(model=str(model_dir), dataset=str(tmp_path / "train.jsonl"), eval_every=0,
-                     output_dir=str(tmp_path / "checkpoints"))
-    from conftest import gsm8k_jsonl
-    args = dataclasses.replace(args, data=dataclasses.replace(args.data, dataset=str(gsm8k_jsonl("train"))))
+    args = make_args(model=str(write_gsm8k_model(tmp_path / "model")), dataset=str(gsm8k_jsonl("train")),
+                     eval_every=0)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(simple_rl.UsageError, match="do not fit: vLLM's share"):
         simple_rl.main(args, "cuda", engine_class=NoEngine)
-    assert not (tmp_path / "runs").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_an_offloaded_step_makes_the_same_update(tmp_path):
