@@ -4,6 +4,7 @@ gather the same Hugging Face weights and checksum."""
 
 import dataclasses
 import os
+import shutil
 import socket
 from types import SimpleNamespace
 
@@ -291,13 +292,21 @@ def test_two_nodes_run_as_one_node_of_two_processes(tmp_path):
                       "import simple_rl, test_rl\nfrom conftest import make_args\n"
                       "simple_rl.main(make_args(**json.loads(sys.argv[1])), device='cpu', "
                       "engine_class=test_rl.TrainerAsSampler)\n")
-    port = free_port()
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                                str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-                                str(port), str(script), json.dumps(flags)], cwd=tmp_path / "two_nodes",
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
-    assert all(agent.returncode == 0 for agent in agents), outputs
+    def launch() -> list[str] | None:  # the two agents' output if either failed
+        port = str(free_port())
+        agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                                    str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                                    "--master-port", port, str(script), json.dumps(flags)], cwd=tmp_path / "two_nodes",
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+        outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+        return None if all(agent.returncode == 0 for agent in agents) else outputs
+    # Two launchers racing for a port on a busy machine failed once in seven runs here: a second launch,
+    # with the first one's output shown; the bits are compared after either.
+    if (failed := launch()) is not None:
+        print("the first launch of two agents failed:\n" + "\n".join(out[-2000:] for out in failed))
+        shutil.rmtree(tmp_path / "two_nodes")
+        (tmp_path / "two_nodes").mkdir()
+        assert (failed := launch()) is None, [out[-3000:] for out in failed]
     one, two = (scalar_series(tmp_path / d / "runs" / "run") for d in ("one_node", "two_nodes"))
     times = ("time/", "perf/", "memory/")
     assert {k: v for k, v in one.items() if not k.startswith(times)} == \
