@@ -5,6 +5,8 @@
     python bench.py --trainer-only      # the trainer's forward + backward against HF transformers
     python bench.py --gpus 2 --gsm8k train.jsonl            # simple_rl.py on 1 GPU against torchrun on 2
     python bench.py --write-model DIR --gsm8k train.jsonl   # a random model at --shape, to run the script
+    python bench.py --fits "8b --offload-optimizer --activation-checkpointing" --gsm8k train.jsonl
+                                        # simple_rl.py on one GPU: step time, peak GPU and host memory
 
 Step benchmark. Both sides run the same GRPO step on the same random weights, the same prompts
 (--prompts random token prompts of 80-200 tokens, --samples each) and the same lengths (every
