@@ -286,17 +286,28 @@ PHASES = ("generate", "train", "push")
 
 
 def combine(runs: list[dict]) -> dict:
-    """One side's figures over the timed steps of all its processes: median phase and step times,
-    the highest peak memory, every step's mismatch count."""
+    """One side's figures over the timed steps of all its processes: median phase and step times, their
+    spread (the lowest and highest of the processes' own medians), the highest peak memory, every step's
+    mismatch count."""
     steps = [times for run in runs for times in run["steps"]]
     out = {name: statistics.median(times[name] for times in steps) for name in steps[0]}
     out["step"] = statistics.median(sum(times.values()) for times in steps)
+    medians = [{name: statistics.median(t[name] for t in run["steps"]) for name in steps[0]}
+               | {"step": statistics.median(sum(t.values()) for t in run["steps"])} for run in runs]
+    out["spread"] = {name: (min(m[name] for m in medians), max(m[name] for m in medians)) for name in medians[0]}
     out["steps"] = [sum(times.values()) for times in steps]
     out["peak_gib"] = max(max(run["peak_gib"]) for run in runs)
     out["mismatched_tokens"] = [n for run in runs for n in run["mismatched_tokens"]]
     out["checkpoint_s"] = [run["checkpoint_s"] for run in runs]
     out |= {key: runs[0][key] for key in ("sampled_tokens", "device")}
     return out
+
+
+def overlap_note(a: dict, b: dict) -> str:
+    """Names the phases whose spreads overlap between the sides: there the ratio is within the runs' noise."""
+    overlapping = [p for p in (*PHASES, "step") if a["spread"][p][0] <= b["spread"][p][1]
+                   and b["spread"][p][0] <= a["spread"][p][1]]
+    return f" (the sides' spreads overlap: {', '.join(overlapping)})" if overlapping else ""
 
 
 def step_benchmark(args) -> dict:
@@ -336,10 +347,12 @@ def step_benchmark(args) -> dict:
             + "".join(f"{r[p]:>10.2f}s" for p in (*PHASES, "step"))
             + f"{r['peak_gib']:>7.1f} GiB"
         )
+        print(f"  {'':<10}" + "".join(f"{'%.2f-%.2f' % r['spread'][p]:>11}" for p in (*PHASES, "step"))
+              + "   (its processes' medians)")
     print(
         f"  exact / standard: step {exact['step'] / standard['step']:.3f}x, generate "
         f"{exact['generate'] / standard['generate']:.2f}x, train {exact['train'] / standard['train']:.2f}x, "
-        f"peak memory {exact['peak_gib'] / standard['peak_gib']:.2f}x"
+        f"peak memory {exact['peak_gib'] / standard['peak_gib']:.2f}x" + overlap_note(exact, standard)
     )
     print(
         f"  exact side: mismatched tokens per step {exact['mismatched_tokens']} of {exact['sampled_tokens']}; "
