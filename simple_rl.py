@@ -1842,6 +1842,8 @@ def log_to_file(run_name: str, verbose: bool, world: World) -> None:
     thread.start()
 
     def close() -> None:  # at exit: the pipe's last lines reach the file
+        if dist.is_initialized():  # vLLM's group, or torchrun's: else NCCL warns on the terminal as it exits
+            dist.destroy_process_group()
         sys.stderr.flush()
         os.dup2(terminal, 2)
         thread.join(timeout=5)

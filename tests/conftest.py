@@ -26,10 +26,17 @@ GSM8K_DIR = Path(os.environ.get("GSM8K_DIR", Path(__file__).resolve().parents[2]
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and vLLM 0.20 (skipped without CUDA)")
+    # torch's own torch.utils.mkldnn, imported when torchtitan's import calls torch.compile, uses what torch
+    # deprecates: nothing this project can change (python warns of it only under pytest).
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # In-process tests compare against an engine started in this process: its kernels are batch
+        # invariant only if the variable was set before vLLM loaded (the tests' own runs set it themselves).
+        if os.environ.get("VLLM_BATCH_INVARIANT") != "1" and any("gpu" in item.keywords for item in items):
+            raise pytest.UsageError("the GPU tests need VLLM_BATCH_INVARIANT=1 (README: the test command)")
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
