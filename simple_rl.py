@@ -24,7 +24,6 @@ How this GRPO departs from the paper (Shao et al., 2024):
 """
 
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -35,7 +34,6 @@ import sys
 import textwrap
 import time
 import typing
-import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -253,7 +251,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
     CUDA_GRAPHS, EXACT, Kernels, _num_sms, check_bitwise_head_dim, first_divergence, install_exact_kernels,
     matmul_tiles, micro_batch_bytes, qwen3_gemms, rope_cos_sin_cache, trainer_trace, vllm_trace)
@@ -973,6 +971,7 @@ def grpo(args: Args, engine, model: Qwen3, inputs, order: list[int], writer, wor
     s, o, run = args.sampling, args.optimizer, args.run
     ref_model = reference_policy(model, world) if args.loss.kl_coef > 0 else None  # KL to GRPO's start
     optimizer = MasterWeights(model, o.lr, o.weight_decay, args.engine.offload_optimizer)
+    checkpoints = Checkpoints(model, optimizer, ref_model, inputs, args, world)  # host memory to save from
     totals = (restore_training_state(inputs.model_dir, optimizer, ref_model, args, world) if inputs.start_step
               else {"tokens_checked": 0, "mismatched_tokens": 0})
     if run.eval_every and inputs.start_step % run.eval_every == 0:  # before training, or a resume when due
@@ -1003,7 +1002,7 @@ def grpo(args: Args, engine, model: Qwen3, inputs, order: list[int], writer, wor
         if run.eval_every and ((step + 1) % run.eval_every == 0 or last):
             log_eval(engine, inputs, args, step + 1, writer, world)
         if run.save_every >= 0 and (last or run.save_every and (step + 1) % run.save_every == 0):
-            save_checkpoint(model, optimizer, ref_model, inputs, args, step + 1, totals, writer, world)
+            checkpoints.save(step + 1, totals, writer)  # written as the next step runs; the last waited for
     if world.is_main:  # the run's certificate of exactness
         record = json.dumps(parity_record(args, model, totals), indent=2)
         (Path(writer.log_dir) / "parity.json").write_text(record)
@@ -1041,9 +1040,8 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
         engine.sync_weights(model, world, changed=True)
     try:
         grpo(args, engine, model, inputs, order, writer, world)
-    finally:
-        if world.is_main:
-            writer.close()  # also on a parity error: the failing step's parity scalars reach the disk
+    finally:  # also on an error: a save under way ends, the failing step's parity scalars reach the disk
+        end_run(writer, world)
     return Path("runs") / args.run.run_name
 
 
@@ -1197,8 +1195,7 @@ def check_checkpoint(model_dir: Path, args, source: str = "--model") -> None:
                                  weights.get_slice(name).get_dtype()) for name in weights.keys()}
         except SafetensorError as e:
             raise UsageError(f"{source} {model_dir}: {f.name} is not a whole safetensors file ({e}); "
-                             "download "
-                             "or save it again") from None
+                             "download or save it again") from None
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in hf_weights(Qwen3(args))}
     if args.enable_weight_tying:
@@ -1384,7 +1381,7 @@ GiB = 2**30
 # Besides the tensors counted below (measured on an H100, tests/test_gpu_memory.py): the CUDA context with its
 # kernels' workspaces; what a sleeping engine keeps (its CUDA graphs' pool, sampler buffers); what vLLM needs
 # to start besides its weights and a sequence's KV cache (activations while it profiles, graphs); a process's
-# host memory besides an offloaded optimizer (torch, vLLM, pinned staging).
+# host memory besides an offloaded optimizer and saves' copies (torch, vLLM, an offloaded step's staging).
 CUDA_CONTEXT_BYTES = 0.75 * GiB
 VLLM_ASLEEP_BYTES = 1.0 * GiB
 VLLM_SAMPLER_BYTES = 1.0 * GiB  # outside vLLM's share: its sampler's temporaries over the vocabulary
@@ -1434,8 +1431,8 @@ def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int) -> dict[str, 
 
 
 def memory_problem(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None):
-    """What does not fit in the GPU's `gpu_bytes`, or in `host` = (bytes available, processes sharing them)
-    with an offloaded optimizer; None if everything fits."""
+    """What does not fit in the GPU's `gpu_bytes`, or in `host` = (bytes available, processes sharing them);
+    None if everything fits."""
     a, e, (n, _) = model_args, args.engine, parameter_counts(model_args)
     sequence = args.data.max_prompt_tokens + args.sampling.max_new_tokens
     vllm = 2 * n + 2 * 2 * a.n_layers * a.n_kv_heads * a.head_dim * sequence + VLLM_WORKING_BYTES
@@ -1448,12 +1445,16 @@ def memory_problem(model_args, args: Args, gpus: int, gpu_bytes: int, host: tupl
             largest = sorted(parts.items(), key=lambda part: -part[1])[:4]
             return (f"{stage} needs {sum(parts.values()) / GiB:.1f} of the GPU's {gpu_bytes / GiB:.1f} GiB ("
                     + ", ".join(f"{what} {size / GiB:.1f}" for what, size in largest) + ")")
-    if e.offload_optimizer and host is not None:
+    saves, meta = args.run.save_every >= 0, meta_qwen3(model_args)  # saves copy the GPU's tensors to the host
+    pinned = lambda nbytes: saves * sum(1 << (int(b) - 1).bit_length() for b in nbytes)  # as PyTorch rounds
+    fp32 = pinned(4 * p.numel() / gpus for p in meta.parameters())  # bf16: half, as a power of two is
+    state = (12 * n / gpus if e.offload_optimizer else 3 * fp32) + bool(args.loss.kl_coef) * fp32 / 2  # + ref
+    if host is not None and state:
         available, processes = host
-        needs = processes * (12 * n / gpus + HOST_BYTES_PER_PROCESS)
+        needs = processes * (state + HOST_BYTES_PER_PROCESS) + pinned(t.nbytes for _, t in hf_weights(meta))
         if needs > available:
-            return (f"--offload-optimizer needs {needs / GiB:.1f} GiB of host memory, "
-                    f"{available / GiB:.1f} GiB are available")
+            return (f"the optimizer's state, offloaded or copied by saves, needs {needs / GiB:.1f} GiB of "
+                    f"host memory, {available / GiB:.1f} GiB are available")
     return None
 
 
@@ -1624,43 +1625,17 @@ TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_toke
                    "generation_config")
 
 
-@contextmanager
-def atomic_directory(out_dir: Path, world: World = World()):
-    """A directory (the same on every rank) that becomes `out_dir` once every rank has written its part."""
-    tmp = out_dir.parent / f".{out_dir.name}.partial"
-    if world.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(world)
-    try:
-        yield tmp
-    except BaseException:
-        if world.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    barrier(world)
-    if world.is_main:
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-
-
-def write_hf_checkpoint(model: Qwen3, source_dir: Path, directory: Path, world: World) -> None:
-    """The weights stream through rank 0 one gathered tensor at a time: no second copy is ever held."""
-    sizes = [(name, t.numel() * t.element_size()) for name, t in hf_weights(meta_qwen3(model.args))]
-    shards = [[sizes[i][0] for i in shard] for shard in bins([n for _, n in sizes], SHARD_BYTES)]
+def write_hf_checkpoint(weights: dict, source_dir: Path, directory: Path) -> None:
+    """Host `weights` (HF names) as the hub's safetensors files, with the source's config and tokenizer."""
+    names, sizes = list(weights), [t.nbytes for t in weights.values()]
+    shards = [[names[i] for i in shard] for shard in bins(sizes, SHARD_BYTES)]
     files = ([f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
              if len(shards) > 1 else ["model.safetensors"])
-    weights = hf_weights(model)  # every rank gathers each weight; rank 0 keeps it
-    for file, names in zip(files, shards):
-        shard = {name: to_host(tensor) for name, tensor in itertools.islice(weights, len(names))}
-        if world.is_main:
-            save_file(shard, directory / file, metadata={"format": "pt"})
-    if not world.is_main:
-        return
+    for file, shard in zip(files, shards):
+        save_file({name: weights[name] for name in shard}, directory / file, metadata={"format": "pt"})
     if len(files) > 1:
-        index = {"metadata": {"total_size": sum(n for _, n in sizes)},
-                 "weight_map": {name: file for file, names in zip(files, shards) for name in names}}
+        index = {"metadata": {"total_size": sum(sizes)},
+                 "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config = json.dumps(read_config(source_dir) | {"torch_dtype": "bfloat16"}, indent=2)
     (directory / "config.json").write_text(config)
@@ -1704,80 +1679,117 @@ def parity_record(args: Args, model: Qwen3, totals: dict) -> dict:
     return {"stack": stack_versions(), "kernels": kernels, "sampling": asdict(args.sampling), **totals}
 
 
-class HostStaging(DefaultSavePlanner):
-    """DCP's planner, each tensor staged through `to_host` (DCP's writers copy to pageable memory)."""
-
-    def resolve_data(self, write_item):
-        data = super().resolve_data(write_item)
-        return to_host(data) if isinstance(data, torch.Tensor) else data
-
-
 class CheckpointError(Exception):
     """A save that failed (a full disk): one line, exit status 1; the earlier checkpoints stand."""
 
 
-def save_checkpoint(model: Qwen3, optimizer: MasterWeights, ref_model, inputs, args: Args, step: int,
-                    totals: dict, writer=None, world: World = World()) -> None:
-    """<output_dir>/<run_name>/step_N; keeps the newest --keep-last (and the one this run resumed from)."""
-    import threading
-    import torch.distributed.checkpoint as dcp
-    if world.is_main and writer is not None:  # TensorBoard holds every step up to it: should the run die
-        writer.flush()
-    start = time.perf_counter()
-    out_dir = Path(args.run.output_dir) / args.run.run_name / f"step_{step:06d}"
-    failures, hook = [], threading.excepthook  # DCP's writer threads: their error once, not a traceback each
-    threading.excepthook = lambda failure: failures.append(failure.exc_value)
-    try:
-        with atomic_directory(out_dir, world) as tmp:
-            write_hf_checkpoint(model, inputs.model_dir, tmp, world)
-            # Page cache only (syncing doubled the save time): a kill keeps every save, a power cut earlier
-            # ones.
-            files = dcp.FileSystemWriter(tmp / TRAINING_STATE, thread_count=8, sync_files=False)
-            with warnings.catch_warnings():  # "...assuming the intent is to save in a single process": it is
-                warnings.filterwarnings("ignore", "torch.distributed is disabled")
-                dcp.save(training_state(optimizer, ref_model), no_dist=world.size == 1, planner=HostStaging(),
-                         storage_writer=files)
-            if world.is_main:
-                run = {"args": asdict(args), "step": step, "world_size": world.size}
-                (tmp / TRAINING_STATE / "run.json").write_text(json.dumps(run, indent=2))
-                record = parity_record(args, model, totals)
-                (tmp / TRAINING_STATE / "parity.json").write_text(json.dumps(record, indent=2))
-    except BaseException as e:  # DCP raises a CheckpointException (a BaseException) with each rank's errors
-        causes = [e, *(cause for cause, _ in getattr(e, "failures", {}).values()), *failures]
-        error = next((cause for cause in causes if isinstance(cause, OSError)), None)
-        if error is None:
-            raise
-        if world.is_main and writer is not None:  # the steps done keep their certificate
-            record = json.dumps(parity_record(args, model, totals), indent=2)
-            (Path(writer.log_dir) / "parity.json").write_text(record)
-        if world.is_main and not any(out_dir.parent.iterdir()):
-            out_dir.parent.rmdir()  # the run's first save: nothing of it stays
-        last = sorted(out_dir.parent.glob("step_[0-9]*")) if out_dir.parent.exists() else []
-        free, need = shutil.disk_usage(existing_parent(out_dir)).free, checkpoint_bytes(args, model.args)
-        raise CheckpointError(f"checkpoint {out_dir} not written ({error.strerror or error}): "
-                              f"{in_units(free)} free, it takes about {in_units(need)}; the last whole "
-                              f"checkpoint is {last[-1] if last else 'none'}") from None
-    finally:
-        threading.excepthook = hook
-    if world.is_main:
-        print(f"checkpoint {out_dir} written in {time.perf_counter() - start:.1f} s")
-        for stale in out_dir.parent.glob(".step_*"):  # what a run killed mid-save left
-            shutil.rmtree(stale)
-        if args.run.keep_last:
-            for old in sorted(out_dir.parent.glob("step_[0-9]*"))[: -args.run.keep_last]:
-                if old.resolve() != inputs.model_dir.resolve():  # a resumed run's tokenizer files are there
+class Checkpoints(dcp.FileSystemWriter):
+    """<output_dir>/<run_name>/step_N, written as training goes on: `save` copies what the step left to host
+    memory, which dcp.async_save's thread (not a process: it writes the copies where they lie) writes; `wait`
+    (before the next save, at the last step, on an error) renames it once whole, keeping --keep-last. To DCP
+    this is a rank's stager and writer, in one thread (DCP drops a writer thread's error)."""
+    under_way = None  # the instance whose save is being written: one at a time in a process
+
+    def __init__(self, model: Qwen3, optimizer: MasterWeights, ref_model, inputs, args: Args,
+                 world: World = World()):
+        # Page cache only (syncing doubled the save time): a kill keeps every save, a power cut earlier ones.
+        # Host tensors only: no copy ahead, so no CUDA stream in DCP's thread (on GPU 0, whatever the rank).
+        super().__init__(args.run.output_dir, sync_files=False, per_thread_copy_ahead=0)  # folder: per save
+        self.model, self.optimizer, self.ref_model, self.inputs, self.args, self.world = (
+            model, optimizer, ref_model, inputs, args, world)
+        self.group = dist.new_group(backend="gloo") if world.size > 1 else None  # for DCP's thread: `save`
+        if not optimizer.masters[0].is_cuda:  # its state is written where it lies (`stage`): AdamW waits
+            optimizer.optimizer.register_step_pre_hook(lambda *_: self.wait())
+        if args.run.save_every >= 0:  # pinned memory is slow to make: now, not in the first save
+            self.stage({"state": training_state(optimizer, ref_model),
+                        "weights": {name: self.stage(t) for name, t in hf_weights(model) if world.is_main}})
+
+    def stage(self, t):
+        """In host memory training leaves alone: GPU tensors in PyTorch's pinned memory (`to_host`; freed, it
+        serves the next save), host scalars cloned, other host tensors (offloaded: not copied) as they lie."""
+        if isinstance(t, dict):
+            return {k: self.stage(v) for k, v in t.items()}
+        local = local_part(t)
+        return shard_like(to_host(local), t) if local.is_cuda else t.clone() if t.dim() == 0 else t
+
+    def save(self, step: int, totals: dict, tensorboard=None) -> float:
+        """Starts writing step_N; returns the seconds training waited (at the last step, the write's too)."""
+        begun, args, world = time.perf_counter(), self.args, self.world
+        self.wait()
+        self.out_dir = Path(args.run.output_dir) / args.run.run_name / f"step_{step:06d}"
+        self.tmp = self.out_dir.with_name(f".{self.out_dir.name}.partial")
+        if world.is_main:  # a partial folder a killed run left goes (DCP makes the new one, in its thread)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if tensorboard is not None:  # it holds every step up to here: should the run die
+                tensorboard.flush()
+        barrier(world)
+        self.totals, self.saved, self.tensorboard = totals, dict(totals), tensorboard
+        self.run = {"args": asdict(args), "step": step, "world_size": world.size}
+        self.hf = {n: self.stage(t) for n, t in hf_weights(self.model) if world.is_main}  # all ranks gather
+        # DCP's collectives run in its thread: on a group of their own (gloo: async_save wants a CPU one)
+        self.future = dcp.async_save(training_state(self.optimizer, self.ref_model), storage_writer=self,
+                                     checkpoint_id=self.tmp / TRAINING_STATE, process_group=self.group,
+                                     no_dist=world.size == 1)
+        Checkpoints.under_way, self.begun, self.held = self, begun, time.perf_counter() - begun
+        if step == args.optimizer.steps:  # the run ends with it: nothing to overlap
+            self.wait()
+        return time.perf_counter() - begun
+
+    def finish(self, metadata, results) -> None:  # rank 0's, once all ranks' parts are: its error reaches all
+        super().finish(metadata, results)
+        write_hf_checkpoint(self.hf, self.inputs.model_dir, self.tmp)
+        records = {"run.json": self.run, "parity.json": parity_record(self.args, self.model, self.saved)}
+        for name, record in records.items():
+            (self.tmp / TRAINING_STATE / name).write_text(json.dumps(record, indent=2))
+        self.ended = time.perf_counter()
+
+    def wait(self, quietly: bool = False) -> None:
+        """Until the save under way is written (rank 0's DCP ends once every rank's part is); then renames it,
+        or removes it and raises a CheckpointError on every rank (`quietly`, leaving on an error: not)."""
+        if Checkpoints.under_way is not self:
+            return
+        Checkpoints.under_way, out, args, main = None, self.out_dir, self.args, self.world.is_main
+        error, self.hf = self.future.exception(), None  # waits; DCP's error holds every rank's; weights freed
+        if main:  # the partial folder, or the step_N it replaces
+            shutil.rmtree(self.tmp if error else out, ignore_errors=True)
+        if error and not quietly:
+            causes = [error, *(cause for cause, _ in getattr(error, "failures", {}).values())]
+            disk = next((cause for cause in causes if isinstance(cause, OSError)), None)
+            if disk is None:  # not the disk's
+                raise error
+            if main and self.tensorboard is not None:  # the steps done keep their certificate
+                record = json.dumps(parity_record(args, self.model, self.totals), indent=2)
+                (Path(self.tensorboard.log_dir) / "parity.json").write_text(record)
+            if main and out.parent.is_dir() and not any(out.parent.iterdir()):
+                out.parent.rmdir()  # the run's first save: nothing of it stays
+            last = sorted(out.parent.glob("step_[0-9]*")) if out.parent.exists() else []
+            free, need = shutil.disk_usage(existing_parent(out)).free, checkpoint_bytes(args, self.model.args)
+            raise CheckpointError(f"checkpoint {out} not written ({disk.strerror or disk}): "
+                                  f"{in_units(free)} free, it takes about {in_units(need)}; the last whole "
+                                  f"checkpoint is {last[-1] if last else 'none'}") from None
+        if main and not error:  # every rank's part written: renamed into place
+            self.tmp.rename(out)
+            print(f"checkpoint {out} written in {self.ended - self.begun:.1f} s, a {self.held:.1f} s stall")
+            oldest = sorted(out.parent.glob("step_[0-9]*"))[: -args.run.keep_last]
+            for old in [*out.parent.glob(".step_*"), *oldest]:  # and what a run killed mid-save left
+                if old.resolve() != self.inputs.model_dir.resolve():  # a resumed run's tokenizer is there
                     shutil.rmtree(old)
+
+
+def end_run(tensorboard, world: World) -> None:
+    """Also on an error: a save under way ends before the process, and TensorBoard gets the last scalars."""
+    if Checkpoints.under_way is not None:
+        Checkpoints.under_way.wait(quietly=True)
+    if world.is_main:
+        tensorboard.close()
 
 
 def restore_training_state(checkpoint_dir: Path, optimizer: MasterWeights, ref_model, args: Args,
                            world: World = World()) -> dict:
     """Into this run's shards whatever the number of ranks that saved it; returns the tokens checked and
     mismatched so far, and warns if another stack (torch, vLLM, GPU...) wrote it."""
-    import torch.distributed.checkpoint as dcp
     state = training_state(optimizer, ref_model)
-    with warnings.catch_warnings():  # "...assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=checkpoint_dir / TRAINING_STATE, no_dist=world.size == 1)
+    dcp.load(state, checkpoint_id=checkpoint_dir / TRAINING_STATE, no_dist=world.size == 1)
     for group in optimizer.optimizer.param_groups:
         group["weight_decay"] = args.optimizer.weight_decay  # may change on resume; the lr is set every step
     random.setstate((3, tuple(state["rng"]["python"].tolist()), None))

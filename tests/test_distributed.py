@@ -243,10 +243,12 @@ def peak_rss_worker(rank: int, world: int, port: int, model_dir, out) -> None:
     optimizer = simple_rl.MasterWeights(model, 1e-3, 0.0)
     simple_rl.training_state(optimizer, None)  # AdamW's moments, as after a step
     args = make_args(run_name="r", output_dir=str(out.parent / "checkpoints"), keep_last=0)
+    checkpoints = simple_rl.Checkpoints(model, optimizer, None, SimpleNamespace(model_dir=model_dir), args, place)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak resident set (VmHWM) starts again from here
     before = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
-    simple_rl.save_checkpoint(model, optimizer, None, SimpleNamespace(model_dir=model_dir), args, 1, {}, world=place)
+    checkpoints.save(1, {})
+    checkpoints.wait()  # the write, in the background, ends
     peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
     (out.parent / f"rss_{rank}").write_text(str((peak - before) * 1024))
     dist.destroy_process_group()

@@ -194,3 +194,36 @@ def test_qwen3_thinking_mode_sampling_is_bitwise(tmp_path):
     kept, cut = values(events, "train/kept_tokens"), values(events, "train/cut_mass")
     print(f"\n[thinking-mode sampling] kept tokens per step {[round(k, 1) for k in kept]}, cut mass {cut}")
     assert all(1 <= k <= 20 for k in kept) and all(0 <= c < 1 for c in cut)
+
+
+def test_a_save_copies_the_gpu_state_and_adamw_goes_on_beneath_its_write(tmp_path, monkeypatch):
+    """On the GPU a save copies the weights and training state to host memory and returns; AdamW steps
+    while the write is held (nothing waits), yet the checkpoint, once written, holds the state of the step that
+    saved, bit for bit."""
+    import threading
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+    from test_rl import adam_step, flat_tensors, training_state
+
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    model = simple_rl.load_qwen3(model_dir, "cuda")
+    optimizer = simple_rl.MasterWeights(model, 1e-3, 0.0)
+    args = simple_rl.Args(run=simple_rl.Run(run_name="r", output_dir=str(tmp_path / "checkpoints"), keep_last=0))
+    checkpoints = simple_rl.Checkpoints(model, optimizer, None, SimpleNamespace(model_dir=model_dir), args)
+    adam_step(optimizer, 0)
+    state = {k: v.cpu() for k, v in flat_tensors(simple_rl.training_state(optimizer, None)).items()}
+    weights = {name: w.cpu() for name, w in simple_rl.hf_weights(model)}
+    release, write_data = threading.Event(), simple_rl.Checkpoints.write_data
+    monkeypatch.setattr(simple_rl.Checkpoints, "write_data", lambda *a: release.wait(60) and write_data(*a))
+    checkpoints.save(1, {"tokens_checked": 0, "mismatched_tokens": 0})
+    adam_step(optimizer, 1)  # returns: the GPU's state was copied, nothing waits for the write
+    assert not release.is_set()
+    release.set()
+    checkpoints.wait()
+    out = tmp_path / "checkpoints" / "r" / "step_000001"
+    saved, now = flat_tensors(training_state(out)), flat_tensors(simple_rl.training_state(optimizer, None))
+    assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
+    assert not any(torch.equal(now[k].cpu(), state[k]) for k in state if k.startswith("masters."))
+    hf = load_file(out / "model.safetensors")
+    assert all(torch.equal(hf[k].view(torch.int16), w.view(torch.int16)) for k, w in weights.items())

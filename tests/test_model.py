@@ -55,7 +55,7 @@ def test_hf_round_trip_is_exact(name, tmp_path):
     src = write_checkpoint(tmp_path / "src", CONFIGS[name], seed=3)
     model = simple_rl.load_qwen3(src, "cpu")
     (tmp_path / "out").mkdir()
-    simple_rl.write_hf_checkpoint(model, src, tmp_path / "out", simple_rl.World())
+    simple_rl.write_hf_checkpoint(dict(simple_rl.hf_weights(model)), src, tmp_path / "out")
     before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert before.keys() == after.keys()
     for key in before:

@@ -12,9 +12,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -527,7 +529,7 @@ def test_head_sizes_whose_attention_vllm_computes_otherwise_are_refused():
 PLUMBING_ENTRY_POINTS = {
     "check_args", "load_inputs", "read_config", "rope_parameters", "check_gpu_memory", "gathered", "local_part",
     "to_host", "to_device", "weight_deltas", "mismatch_by_probability", "reference_policy", "log_to_file", "init_distributed", "shard_model", "whole_step",
-    "restore_training_state", "save_checkpoint", "parity_record", "open_tensorboard", "progress_bar", "phase",
+    "restore_training_state", "Checkpoints", "end_run", "parity_record", "open_tensorboard", "progress_bar", "phase",
     "log_step", "log_line", "log_eval", "log_parity", "step_scalars", "step_line", "find_first_divergence",
 }
 
@@ -898,37 +900,157 @@ def test_a_resume_on_another_stack_warns(tmp_path, monkeypatch, capsys):
     assert "written by another version of simple_rl.py" in error
 
 
+def cpu_checkpoints(tmp_path: Path, model_dir: Path):
+    """A CPU trainer and its checkpoint writer: the optimizer's state lies in host memory, so it is written
+    where it lies and AdamW's next step waits for the write (as with --offload-optimizer)."""
+    model = simple_rl.load_qwen3(model_dir, "cpu")
+    optimizer = simple_rl.MasterWeights(model, 1e-3, 0.0)
+    args = make_args(run_name="r", output_dir=str(tmp_path / "checkpoints"), keep_last=0)
+    return simple_rl.Checkpoints(model, optimizer, None, SimpleNamespace(model_dir=model_dir), args), model, optimizer
+
+
+def adam_step(optimizer: simple_rl.MasterWeights, seed: int) -> None:
+    optimizer.zero_grads()
+    for _, p in optimizer.named:
+        p.main_grad.copy_(torch.randn(p.main_grad.shape, generator=torch.Generator().manual_seed(seed)))
+    optimizer.step(1e-3, 1.0)
+
+
+def test_a_save_returns_as_its_write_goes_on_and_holds_the_state_of_its_step(tmp_path, monkeypatch):
+    """The write goes on in a thread (held here): `save` returns with only the partial folder there. AdamW's
+    next step waits for the write (its state is written where it lies); once the write ends, step_N is in
+    place and holds, bit for bit, the weights and training state of the step that saved, though AdamW has
+    changed them since."""
+    from safetensors.torch import load_file
+
+    checkpoints, model, optimizer = cpu_checkpoints(tmp_path, write_gsm8k_model(tmp_path / "model"))
+    adam_step(optimizer, 0)
+    state = {k: v.clone() for k, v in flat_tensors(simple_rl.training_state(optimizer, None)).items()}
+    weights = {name: w.clone() for name, w in simple_rl.hf_weights(model)}
+    writing, release, write_data = threading.Event(), threading.Event(), simple_rl.Checkpoints.write_data
+
+    def held(*args):
+        writing.set()
+        release.wait(60)
+        return write_data(*args)
+    monkeypatch.setattr(simple_rl.Checkpoints, "write_data", held)
+    start = time.perf_counter()
+    checkpoints.save(1, {"tokens_checked": 0, "mismatched_tokens": 0})
+    out = tmp_path / "checkpoints" / "r" / "step_000001"
+    assert time.perf_counter() - start < 30 and not release.is_set() and writing.wait(60)
+    assert not out.exists() and (out.parent / ".step_000001.partial").is_dir()
+    stepped = threading.Thread(target=adam_step, args=(optimizer, 1))
+    stepped.start()
+    stepped.join(timeout=2)
+    assert stepped.is_alive() and not out.exists()  # AdamW waits for the write
+    release.set()
+    stepped.join(timeout=60)
+    assert not stepped.is_alive() and sorted(p.name for p in out.parent.iterdir()) == ["step_000001"]
+    saved, now = flat_tensors(training_state(out)), flat_tensors(simple_rl.training_state(optimizer, None))
+    assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
+    assert not any(torch.equal(now[k], state[k]) for k in state if k.startswith("masters."))  # AdamW stepped
+    hf = load_file(out / "model.safetensors")
+    assert hf.keys() == weights.keys() and all(torch.equal(hf[k].view(torch.int16), w.view(torch.int16))
+                                               for k, w in weights.items())
+    assert json.loads((out / "training_state" / "run.json").read_text())["step"] == 1
+
+
+@pytest.mark.parametrize("full_at", ["create_stream", "mkdir"])
+def test_a_full_disk_in_the_background_write_is_one_line_at_the_wait(tmp_path, monkeypatch, full_at):
+    """A write that fails in its thread (the training state's file or folder: No space left on device) fails
+    the save when it is waited for: the one-line CheckpointError, the partial folder removed, the previous
+    checkpoint whole and as it was."""
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    checkpoints, _, optimizer = cpu_checkpoints(tmp_path, write_gsm8k_model(tmp_path / "model"))
+    totals = {"tokens_checked": 0, "mismatched_tokens": 0}
+    checkpoints.save(1, totals)
+    checkpoints.wait()
+    first = tmp_path / "checkpoints" / "r" / "step_000001"
+    before = {f.name: f.read_bytes() for f in first.rglob("*") if f.is_file()}
+    adam_step(optimizer, 0)
+    create = getattr(FileSystem, full_at)
+
+    def full(self, path, *mode):
+        if "w" in "".join(mode) or full_at == "mkdir":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return create(self, path, *mode)
+    monkeypatch.setattr(FileSystem, full_at, full)
+    checkpoints.save(2, totals)  # returns: the error is the thread's
+    with pytest.raises(simple_rl.CheckpointError) as error:
+        checkpoints.wait()
+    message = str(error.value)
+    assert message.startswith(f"checkpoint {first.parent / 'step_000002'} not written (No space left on device): ")
+    assert message.endswith(f"the last whole checkpoint is {first}") and "\n" not in message
+    assert sorted(p.name for p in first.parent.iterdir()) == ["step_000001"]
+    assert {f.name: f.read_bytes() for f in first.rglob("*") if f.is_file()} == before
+    assert simple_rl.Checkpoints.under_way is None
+
+
+def test_a_run_stopped_by_an_error_first_finishes_the_save_under_way(tmp_path, monkeypatch):
+    """An error in the step after a save (here in its sampling, before AdamW would wait for the write): the
+    save under way is waited for on the way out, and is in place whole, the error still the run's."""
+    class DiesInStep1(TrainerAsSampler):
+        def generate(self, *args, **kwargs):
+            if self.calls.count("generate") == 1:
+                raise Killed
+            return super().generate(*args, **kwargs)
+
+    monkeypatch.chdir(tmp_path)
+    args = small_run(write_gsm8k_model(tmp_path / "model"), run_name="stopped", steps=3, save_every=1,
+                     eval_every=0, assert_bitwise=False)
+    with pytest.raises(Killed):
+        simple_rl.main(args, device="cpu", engine_class=DiesInStep1)
+    checkpoints = tmp_path / "checkpoints" / "stopped"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000001"]
+    assert simple_rl.Checkpoints.under_way is None
+    assert simple_rl.saved_run(checkpoints / "step_000001")[1] == 1 and training_state(checkpoints / "step_000001")
+
+
 def test_a_save_killed_midway_leaves_the_previous_checkpoints_whole(tmp_path):
-    """kill -9 while a checkpoint is being written: no half-written step_N, the previous one intact."""
-    run = tmp_path / "run"
-    writer = (f"import time, simple_rl, pathlib\n"
-              f"run = pathlib.Path({str(run)!r})\n"
-              f"with simple_rl.atomic_directory(run / 'step_000001') as tmp:\n"
-              f"    (tmp / 'weights').write_text('step 1')\n"
-              f"with simple_rl.atomic_directory(run / 'step_000002') as tmp:\n"
-              f"    with open(tmp / 'weights', 'w') as f:\n"
-              f"        while True:\n"
-              f"            f.write('x' * 4096); f.flush(); time.sleep(0.01)\n")
-    process = subprocess.Popen([sys.executable, "-c", writer], cwd=REPO)
-    deadline = time.time() + 120
-    while not list(run.glob(".step_000002.*/weights")) and time.time() < deadline:
+    """kill -9 while a checkpoint is being written in the background: no half-written step_N, the previous one
+    as it was; the next save removes what the killed one left."""
+    model_dir, run = write_gsm8k_model(tmp_path / "model"), tmp_path / "checkpoints" / "r"
+    code = f"""
+import pathlib, shutil, sys, time
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+import simple_rl, test_rl
+tmp = pathlib.Path({str(tmp_path)!r})
+checkpoints, _, optimizer = test_rl.cpu_checkpoints(tmp, pathlib.Path({str(model_dir)!r}))
+checkpoints.save(1, {{"tokens_checked": 0, "mismatched_tokens": 0}})
+checkpoints.wait()
+shutil.copytree(tmp / "checkpoints" / "r" / "step_000001", tmp / "as_it_was")
+test_rl.adam_step(optimizer, 0)
+def half(weights, source_dir, directory):  # the training state is written: the weights, half, never end
+    (directory / "model.safetensors").write_bytes(b"half")
+    (tmp / "cut").touch()
+    time.sleep(600)
+simple_rl.write_hf_checkpoint = half
+checkpoints.save(2, {{"tokens_checked": 0, "mismatched_tokens": 0}})
+time.sleep(600)
+"""
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path)
+    deadline = time.time() + 300
+    while not (tmp_path / "cut").exists() and process.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
+    assert (tmp_path / "cut").exists()
+    first = run / "step_000001"
     assert [p.name for p in run.glob("step_[0-9]*")] == ["step_000001"]  # what pruning and --resume see
-    assert (run / "step_000001" / "weights").read_text() == "step 1"
-    assert list(run.glob(".step_000002.*/weights"))  # the write really was cut off midway
-
-
-def test_a_failed_save_leaves_the_previous_checkpoints_whole(tmp_path):
-    out_dir = tmp_path / "run" / "step_000002"
-    with simple_rl.atomic_directory(tmp_path / "run" / "step_000001") as tmp:
-        (tmp / "weights").write_text("step 1")
-    with pytest.raises(OSError), simple_rl.atomic_directory(out_dir) as tmp:
-        (tmp / "weights").write_text("half of step 2")
-        raise OSError("disk full")
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["step_000001"]
-    assert (tmp_path / "run" / "step_000001" / "weights").read_text() == "step 1"
+    assert (run / ".step_000002.partial" / "training_state" / ".metadata").is_file()  # cut off midway
+    files = sorted(f.relative_to(first) for f in first.rglob("*") if f.is_file())
+    assert files == sorted(f.relative_to(tmp_path / "as_it_was") for f in (tmp_path / "as_it_was").rglob("*")
+                           if f.is_file())
+    assert all((first / f).read_bytes() == (tmp_path / "as_it_was" / f).read_bytes() for f in files)
+    restored = simple_rl.MasterWeights(simple_rl.load_qwen3(first, "cpu"), 1e-3, 0.0)
+    simple_rl.restore_training_state(first, restored, None, make_args())  # whole: it resumes
+    checkpoints, _, _ = cpu_checkpoints(tmp_path, model_dir)
+    checkpoints.save(3, {"tokens_checked": 0, "mismatched_tokens": 0})
+    checkpoints.wait()
+    assert sorted(p.name for p in run.glob("*step_*") if p.is_dir()) == ["step_000001", "step_000003"]
 
 
 def test_large_weights_are_written_in_shards_that_load(tmp_path, monkeypatch):
@@ -941,7 +1063,7 @@ def test_large_weights_are_written_in_shards_that_load(tmp_path, monkeypatch):
     monkeypatch.setattr(simple_rl, "SHARD_BYTES", sum(p.numel() * 2 for p in model.parameters()) // 3)
     out = tmp_path / "out"
     out.mkdir()
-    simple_rl.write_hf_checkpoint(model, model_dir, out, simple_rl.World())
+    simple_rl.write_hf_checkpoint(dict(simple_rl.hf_weights(model)), model_dir, out)
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(files) > 2 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
     index = json.loads((out / "model.safetensors.index.json").read_text())
