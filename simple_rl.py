@@ -1359,8 +1359,7 @@ def load_inputs(args: Args) -> Inputs:
                          f"{str(e).splitlines()[0]})") from e
     if not 1 < len(tokenizer) <= model_args.vocab_size:  # transformers makes a 1-token one with no files
         raise UsageError(f"{source} {model_dir}: its tokenizer has {len(tokenizer)} token(s) for a "
-                         "vocabulary "
-                         f"of {model_args.vocab_size} (tokenizer files missing, or from another model)")
+                         f"vocabulary of {model_args.vocab_size} (its files missing, or another model's)")
     if args.data.prompt_format == "chat" and tokenizer.chat_template is None:
         raise UsageError("--prompt-format chat: this tokenizer has no chat template; use plain or auto")
     if args.sampling.top_k > model_args.vocab_size:
@@ -1480,6 +1479,8 @@ def check_memory(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[
         [(f"torchrun --nproc-per-node {n}{flag}", changed, n) for n in (2, 4, 8) if n > gpus
          for flag, changed in (("", args), (" --activation-checkpointing",
                                             engine(activation_checkpointing=True)))],
+        [("--save-every -1", dataclasses.replace(args, run=dataclasses.replace(args.run, save_every=-1)),
+          gpus)],  # host memory: no saves, no copies
     ]
     fits = [next((what for what, changed, n in kind if not memory_problem(
         model_args, changed, n, gpu_bytes, host and (host[0], host[1] * n // gpus))), None) for kind in kinds]
@@ -1697,7 +1698,7 @@ class Checkpoints(dcp.FileSystemWriter):
         super().__init__(args.run.output_dir, sync_files=False, per_thread_copy_ahead=0)  # folder: per save
         self.model, self.optimizer, self.ref_model, self.inputs, self.args, self.world = (
             model, optimizer, ref_model, inputs, args, world)
-        self.group = dist.new_group(backend="gloo") if world.size > 1 else None  # for DCP's thread: `save`
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # `save`; vLLM's NCCL
         if not optimizer.masters[0].is_cuda:  # its state is written where it lies (`stage`): AdamW waits
             optimizer.optimizer.register_step_pre_hook(lambda *_: self.wait())
         if args.run.save_every >= 0:  # pinned memory is slow to make: now, not in the first save

@@ -29,6 +29,8 @@ def pytest_configure(config):
     # torch's own torch.utils.mkldnn, imported when torchtitan's import calls torch.compile, uses what torch
     # deprecates: nothing this project can change (python warns of it only under pytest).
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+    # DCP without a process group (a CPU run of one process) says it saves and loads in a single process: it does.
+    config.addinivalue_line("filterwarnings", "ignore:torch.distributed is disabled, unavailable or uninitialized")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -69,6 +69,8 @@ def test_what_fits_one_h100():
     # offloaded, the 8B's 98 GB of masters and moments must fit the host
     assert "of host memory" in refusal(shape("8b"), eight_b, host=(64 * GiB, 1))
     simple_rl.check_memory(shape("8b"), eight_b, 1, H100, (120 * GiB, 1))
+    # saves copy the GPU's training state to pinned host memory: 38 GiB for the 1.7B shape, none without saves
+    assert refusal(shape("1.7b"), flags(), host=(30 * GiB, 1)).endswith("it would fit with --save-every -1")
     # vLLM's own share must hold its weights: the 8B's 15 GiB do not fit in 10% of the GPU
     assert refusal(shape("8b"), flags(offload_optimizer=True, activation_checkpointing=True, vllm_gpu_memory=0.1)
                    ).startswith("8.19B parameters do not fit: vLLM's share (--vllm-gpu-memory 0.1")
