@@ -121,7 +121,7 @@ class Parity:
 
 @dataclass
 class Engine:
-    """How vLLM and the trainer share the GPU (simple_rl.py refuses, naming what would fit, what cannot)."""
+    """vLLM and the trainer share a GPU. On an H100 the 4B and 8B need --offload-optimizer (README)."""
     vllm_gpu_memory: float = 0.5  # share of the GPU vLLM holds while generating (weights, KV cache, graphs)
     vllm_cuda_graphs: bool = True  # decode steps as CUDA graphs (no torch.compile: same bits as eager)
     max_tokens_per_microbatch: int = 8192  # packed tokens per trainer forward + backward (activation memory)
