@@ -1041,7 +1041,9 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
     try:
         grpo(args, engine, model, inputs, order, writer, world)
     finally:  # also on an error: a save under way ends, the failing step's parity scalars reach the disk
-        end_run(writer, world)
+        Checkpoints.end_write(quietly=True)
+        if world.is_main:
+            writer.close()
     return Path("runs") / args.run.run_name
 
 
@@ -1700,7 +1702,7 @@ class Checkpoints(dcp.FileSystemWriter):
             model, optimizer, ref_model, inputs, args, world)
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # `save`; vLLM's NCCL
         if not optimizer.masters[0].is_cuda:  # its state is written where it lies (`stage`): AdamW waits
-            optimizer.optimizer.register_step_pre_hook(lambda *_: self.wait())
+            optimizer.optimizer.register_step_pre_hook(lambda *_: Checkpoints.end_write())  # no cycle to self
         if args.run.save_every >= 0:  # pinned memory is slow to make: now, not in the first save
             self.stage({"state": training_state(optimizer, ref_model),
                         "weights": {name: self.stage(t) for name, t in hf_weights(model) if world.is_main}})
@@ -1744,6 +1746,12 @@ class Checkpoints(dcp.FileSystemWriter):
             (self.tmp / TRAINING_STATE / name).write_text(json.dumps(record, indent=2))
         self.ended = time.perf_counter()
 
+    @staticmethod
+    def end_write(quietly: bool = False) -> None:
+        """Until the save under way, if any, is written (`wait`): before AdamW's step, or at the end."""
+        if Checkpoints.under_way is not None:
+            Checkpoints.under_way.wait(quietly)
+
     def wait(self, quietly: bool = False) -> None:
         """Until the save under way is written (rank 0's DCP ends once every rank's part is); then renames it,
         or removes it and raises a CheckpointError on every rank (`quietly`, leaving on an error: not)."""
@@ -1775,14 +1783,6 @@ class Checkpoints(dcp.FileSystemWriter):
             for old in [*out.parent.glob(".step_*"), *oldest]:  # and what a run killed mid-save left
                 if old.resolve() != self.inputs.model_dir.resolve():  # a resumed run's tokenizer is there
                     shutil.rmtree(old)
-
-
-def end_run(tensorboard, world: World) -> None:
-    """Also on an error: a save under way ends before the process, and TensorBoard gets the last scalars."""
-    if Checkpoints.under_way is not None:
-        Checkpoints.under_way.wait(quietly=True)
-    if world.is_main:
-        tensorboard.close()
 
 
 def restore_training_state(checkpoint_dir: Path, optimizer: MasterWeights, ref_model, args: Args,

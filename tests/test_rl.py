@@ -529,7 +529,7 @@ def test_head_sizes_whose_attention_vllm_computes_otherwise_are_refused():
 PLUMBING_ENTRY_POINTS = {
     "check_args", "load_inputs", "read_config", "rope_parameters", "check_gpu_memory", "gathered", "local_part",
     "to_host", "to_device", "weight_deltas", "mismatch_by_probability", "reference_policy", "log_to_file", "init_distributed", "shard_model", "whole_step",
-    "restore_training_state", "Checkpoints", "end_run", "parity_record", "open_tensorboard", "progress_bar", "phase",
+    "restore_training_state", "Checkpoints", "parity_record", "open_tensorboard", "progress_bar", "phase",
     "log_step", "log_line", "log_eval", "log_parity", "step_scalars", "step_line", "find_first_divergence",
 }
 
