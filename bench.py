@@ -177,7 +177,8 @@ def saving_steps(step, checkpoints, first: int, every: int) -> dict:
         waited = time.perf_counter() - start
         if i > first:
             out["writes"].append(checkpoints.ended - checkpoints.begun)
-        out["saving"].append({"step": sum(times.values()), "held": waited + checkpoints.save(i + 1, {})})
+        checkpoints.save(i + 1, {})
+        out["saving"].append({"step": sum(times.values()), "held": waited + checkpoints.held})
     start = time.perf_counter()
     checkpoints.wait()
     out["end_wait"] = time.perf_counter() - start

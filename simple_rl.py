@@ -1715,8 +1715,8 @@ class Checkpoints(dcp.FileSystemWriter):
         local = local_part(t)
         return shard_like(to_host(local), t) if local.is_cuda else t.clone() if t.dim() == 0 else t
 
-    def save(self, step: int, totals: dict, tensorboard=None) -> float:
-        """Starts writing step_N; returns the seconds training waited (at the last step, the write's too)."""
+    def save(self, step: int, totals: dict, tensorboard=None) -> None:
+        """Starts writing step_N; `held`: the seconds training waited (the last step waits for the write)."""
         begun, args, world = time.perf_counter(), self.args, self.world
         self.wait()
         self.out_dir = Path(args.run.output_dir) / args.run.run_name / f"step_{step:06d}"
@@ -1736,7 +1736,6 @@ class Checkpoints(dcp.FileSystemWriter):
         Checkpoints.under_way, self.begun, self.held = self, begun, time.perf_counter() - begun
         if step == args.optimizer.steps:  # the run ends with it: nothing to overlap
             self.wait()
-        return time.perf_counter() - begun
 
     def finish(self, metadata, results) -> None:  # rank 0's, once all ranks' parts are: its error reaches all
         super().finish(metadata, results)
