@@ -30,14 +30,16 @@ copying to host memory) and each step beneath a write against the median timed s
 the wait for the last write at the end, and the seconds the page-locked memory took to make at the start.
 
 Scaling benchmark (--gpus N). simple_rl.py itself, end to end, on a random model of --shape with a
-tokenizer trained on --gsm8k (also its questions): first `python simple_rl.py` on one GPU, then
-`torchrun --nproc-per-node N simple_rl.py` on N, with the same flags (the step benchmark's, and
---eval-every 0; with --weak, N times the prompts on N GPUs). The figures are the script's own phase
-times and mismatch counts, read from its TensorBoard run, means of the steps after the first; peak
-memory is each GPU's, from nvidia-smi.
+tokenizer trained on --gsm8k (also its questions): `python simple_rl.py` on one GPU, then `torchrun
+--nproc-per-node N simple_rl.py` on N with the same flags (the step benchmark's, and --eval-every 0:
+strong scaling), then on N with N times the prompts (weak scaling: as many tokens per GPU as the one
+GPU's). The figures are the script's own phase times and mismatch counts, read from its TensorBoard
+run, means of the steps after the first; peak memory is each GPU's, from nvidia-smi. The weak run's
+train phase over the one GPU's is what the sharded trainer costs per token.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -52,6 +54,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from torch.profiler import record_function
 
 import batch_invariant_backward
 import simple_rl
@@ -134,19 +137,23 @@ def exact_step_runner(ckpt: Path, args):
     prompts, rewards = bench_prompts(args)
     advantages = simple_rl.group_advantages(rewards, args.samples, True)
 
-    def step(i: int) -> tuple[dict, dict]:
+    def step(i: int, around_train=contextlib.nullcontext) -> tuple[dict, dict]:
         times, memory = {}, {}
         with simple_rl.phase("generate", times, memory):
             seeds = simple_rl.rollout_seeds(0, i, len(prompts))
             completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), 1.0, seeds,
                                                     ignore_eos=True)
         rollouts = simple_rl.Rollouts(prompts, completions, logprobs, rewards, advantages)
-        with simple_rl.phase("train", times, memory):
-            engine.sleep()
-            _, trainer_logprobs = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, config, world)
-            parity, first_mismatch = simple_rl.compare_bits(logprobs, trainer_logprobs, completions, world)
+        with simple_rl.phase("train", times, memory), around_train():
+            with record_function("vLLM sleeps"):
+                engine.sleep()
+            with record_function("micro-batches"):
+                _, trainer_logprobs = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, config, world)
+            with record_function("parity"):
+                parity, first_mismatch = simple_rl.compare_bits(logprobs, trainer_logprobs, completions, world)
             assert first_mismatch is None, first_mismatch
-            _, changes = optimizer.step(simple_rl.lr_at(i, config.optimizer), config.optimizer.max_grad_norm)
+            with record_function("optimizer step"):
+                _, changes = optimizer.step(simple_rl.lr_at(i, config.optimizer), config.optimizer.max_grad_norm)
         with simple_rl.phase("push", times, memory):
             engine.sync_weights(model, world, changed=any(float(c[0]) for c in changes.values()))
         return times, memory | {
@@ -312,6 +319,8 @@ def run_side(side: str, ckpt: Path, args) -> dict:
     runner = (standard_step_runner(ckpt, args), None, 0.0) if standard else exact_step_runner(ckpt, args)
     (step, checkpoints, pinning), startup = runner, time.perf_counter() - start
     results = [step(i) for i in range(1 + args.iters)][1:]  # the first step warms up
+    if args.profile and not standard:
+        profile_train_phase(step, 1 + args.iters)
     return {
         "steps": [times for times, _ in results],
         "startup": startup,
@@ -326,6 +335,35 @@ def run_side(side: str, ckpt: Path, args) -> dict:
 
 
 PHASES = ("generate", "train", "push")
+
+
+def profile_train_phase(step, i: int) -> None:
+    """One more step, its train phase under torch.profiler: each part's wall time against the GPU time of the
+    kernels it launched, what the GPU was busy with in all, and the kernels that took the most of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    times, _ = step(i, around_train=lambda: synchronized(prof))
+    events = prof.key_averages()
+    parts = {e.key: e for e in events if e.key in ("vLLM sleeps", "micro-batches", "parity", "optimizer step")}
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    print(f"\ntrain phase of one step, {torch.cuda.get_device_name()}: {times['train']:.2f} s wall, the GPU's kernels "
+          f"{busy:.2f} s")
+    for name, e in parts.items():  # a part's wall time includes the waits for the GPU it ends with
+        print(f"  {name:<16}{e.cpu_time_total / 1e6:>8.3f} s wall{e.device_time_total / 1e6:>8.3f} s of kernels")
+    print(f"  {'kernel':<72}{'calls':>7}{'GPU s':>9}{'share':>7}")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"  {e.key[:72]:<72}{e.count:>7}{e.self_device_time_total / 1e6:>9.3f}"
+              f"{e.self_device_time_total / 1e6 / busy:>7.1%}")
+
+
+@contextmanager
+def synchronized(prof):
+    """The profiler, on until the GPU has run what the block launched."""
+    with prof:
+        yield
+        torch.cuda.synchronize()
 
 
 def combine(runs: list[dict]) -> dict:
@@ -422,14 +460,15 @@ def step_benchmark(args) -> dict:
 # --- simple_rl.py on 1 GPU against torchrun on N ------------------------------------------------------
 
 
-def script_run(gpus: int, model: Path, workdir: Path, args, flags=(), name: str | None = None) -> dict:
+def script_run(gpus: int, model: Path, workdir: Path, args, flags=(), name: str | None = None,
+               prompts: int | None = None) -> dict:
     """simple_rl.py on the first `gpus` visible GPUs (torchrun for more than one), with the step benchmark's
-    flags and `flags`: its per-step phase times and mismatch counts from TensorBoard, each GPU's peak memory,
-    the process's peak host memory (its largest process's, under torchrun) and its planned GPU memory."""
+    flags (--prompts, or `prompts`) and `flags`: its per-step phase times and mismatch counts from
+    TensorBoard, each GPU's peak memory, the process's peak host memory (its largest process's, under
+    torchrun) and its planned GPU memory."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    name = name or f"{gpus}_gpus"
-    prompts = args.prompts * (gpus if args.weak else 1)
+    name, prompts = name or f"{gpus}_gpus", prompts or args.prompts
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(gpus)] if gpus > 1 else []
     flags = ["--model", str(model), "--dataset", str(args.gsm8k.resolve()), "--eval-every", "0",
              "--steps", str(1 + args.iters), "--run-name", name, "--save-every", "-1",
@@ -492,9 +531,9 @@ def fits_benchmark(args) -> dict:
 def scaling_benchmark(args) -> dict:
     if args.gsm8k is None:
         raise SystemExit("--gpus needs --gsm8k: the GSM8K train jsonl (the questions and the tokenizer's text)")
-    visible = len(visible_gpus())
-    if not 2 <= args.gpus <= visible:
-        raise SystemExit(f"--gpus {args.gpus}: give 2 or more, at most the {visible} GPUs visible")
+    visible, n = len(visible_gpus()), args.gpus
+    if not 2 <= n <= visible:
+        raise SystemExit(f"--gpus {n}: give 2 or more, at most the {visible} GPUs visible")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         # Written by another process: this one holds no GPU memory while the runs are measured.
@@ -502,24 +541,36 @@ def scaling_benchmark(args) -> dict:
         layers = ["--layers", str(args.layers)] if args.layers else []
         subprocess.run([sys.executable, __file__, "--shape", args.shape, *layers, "--write-model", str(model),
                         "--gsm8k", str(args.gsm8k)], check=True)
-        results = {n: script_run(n, model, workdir, args) for n in (1, args.gpus)}
-    one, many = results[1], results[args.gpus]
+        runs = {"1 GPU": script_run(1, model, workdir, args),
+                f"{n} GPUs": script_run(n, model, workdir, args, name="strong"),
+                f"{n} GPUs, {n}x": script_run(n, model, workdir, args, name="weak", prompts=n * args.prompts)}
+    print(scaling_lines(runs, n, args, torch.cuda.get_device_name()))
+    return runs | scaling_ratios(runs, n)
+
+
+def scaling_ratios(runs: dict, n: int) -> dict:
+    """Strong scaling (the same step on n GPUs), weak (n times the step on n), the trainer's cost per token."""
+    one, strong, weak = runs["1 GPU"], runs[f"{n} GPUs"], runs[f"{n} GPUs, {n}x"]
+    return {"strong": one["step"] / strong["step"], "strong_generate": one["generate"] / strong["generate"],
+            "strong_train": one["train"] / strong["train"], "weak": weak["tokens_per_s"] / one["tokens_per_s"],
+            "train_per_token": weak["train"] / one["train"]}
+
+
+def scaling_lines(runs: dict, n: int, args, device: str) -> str:
     n_layers = args.layers or SHAPES[args.shape]["layers"]
-    per_gpu = " per GPU" if args.weak else ""
-    print(f"\nsimple_rl.py, Qwen3-{args.shape} shape ({n_layers} layers), {args.prompts} prompts{per_gpu} x "
-          f"{args.samples} samples, up to {args.max_new_tokens} new tokens, {torch.cuda.get_device_name()}; "
-          f"means of {args.iters} steps after the first")
-    print(f"  {'':<8}" + "".join(f"{p:>11}" for p in (*PHASES, "step")) + f"{'tokens/s':>11}   peak GPU memory")
-    for n, r in results.items():
-        print(f"  {n} GPU{'s' if n > 1 else ' '}" + "".join(f"{r[p]:>10.2f}s" for p in (*PHASES, "step"))
-              + f"{r['tokens_per_s']:>11,.0f}   " + " / ".join(f"{g:.1f}" for g in r["peak_gib"]) + " GiB")
-    speedup = many["tokens_per_s"] / one["tokens_per_s"]
-    phases = f" (generate {one['generate'] / many['generate']:.2f}x, train {one['train'] / many['train']:.2f}x)"
-    print(f"  {args.gpus} GPUs / 1 GPU" + (f", {args.gpus}x the prompts" if args.weak else "")
-          + f": throughput {speedup:.2f}x" + ("" if args.weak else phases))
-    for n, r in results.items():
-        print(f"  mismatched tokens per step, {n} GPU{'s' if n > 1 else ''}: {r['mismatched_tokens']}")
-    return results | {"speedup": speedup}
+    r = scaling_ratios(runs, n)
+    lines = [f"simple_rl.py, Qwen3-{args.shape} shape ({n_layers} layers), {args.prompts} prompts x {args.samples} "
+             f"samples, up to {args.max_new_tokens} new tokens, {device}; means of {args.iters} steps after the first",
+             f"  {'':<14}" + "".join(f"{p:>11}" for p in (*PHASES, "step")) + f"{'tokens/s':>11}   peak GPU memory"]
+    for label, run in runs.items():
+        lines.append(f"  {label:<14}" + "".join(f"{run[p]:>10.2f}s" for p in (*PHASES, "step"))
+                     + f"{run['tokens_per_s']:>11,.0f}   " + " / ".join(f"{g:.1f}" for g in run["peak_gib"]) + " GiB")
+    lines += [f"  strong scaling ({n} GPUs, the same step): {r['strong']:.2f}x (generate {r['strong_generate']:.2f}x, "
+              f"train {r['strong_train']:.2f}x)",
+              f"  weak scaling ({n} GPUs, {n}x the prompts): throughput {r['weak']:.2f}x; the sharded trainer's "
+              f"cost per token {r['train_per_token']:.2f}x one GPU's"]
+    lines += [f"  mismatched tokens per step, {label}: {run['mismatched_tokens']}" for label, run in runs.items()]
+    return "\n".join(lines)
 
 
 # --- the trainer-only comparison ---------------------------------------------------------------
@@ -772,11 +823,15 @@ def decode_side(side: str, args) -> dict:
         generate(16)
         # The median of 3 (long - short) pairs: single pairs moved by up to 1.5x between runs (H100).
         out[n] = statistics.median(generate(528) - generate(16) for _ in range(3)) / 512 * 1e3
-        if args.profile and side == "decode-exact":
+        if args.profile and side in ("decode-exact", "decode-standard"):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                generate(64)
-            print(f"[{side}, {n} sequences, 64 tokens] top kernels:")
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70))
+                wall = generate(64)
+            kernels = [e for e in prof.key_averages() if e.self_device_time_total]
+            busy = sum(e.self_device_time_total for e in kernels) / 1e3
+            print(f"[{side}, {n} sequences, 64 new tokens: {wall * 1e3:.0f} ms wall, the GPU's kernels {busy:.0f} ms]")
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]:
+                print(f"  {e.key[:80]:<80}{e.count:>7}{e.self_device_time_total / 1e3:>9.1f} ms"
+                      f"{e.self_device_time_total / 1e3 / busy:>7.1%}")
     return out
 
 
@@ -842,7 +897,9 @@ def main():
     trainer.add_argument("--seqs", type=int, default=8)
     trainer.add_argument("--seqlen", type=int, default=1024)
     trainer.add_argument(
-        "--profile", action="store_true", help="also print the trainer step's top CUDA kernels"
+        "--profile", action="store_true",
+        help="also print the top CUDA kernels: of the trainer (--trainer-only), of decoding (--decode), or of the "
+        "exact side's train phase (the step benchmark)"
     )
     kernels = parser.add_argument_group("kernel benchmarks")
     kernels.add_argument("--kernels", action="store_true",
@@ -852,7 +909,6 @@ def main():
                          help="ms per decode step: the standard engine, the exact one with vLLM's and with our "
                          f"tiles (default: all of {', '.join(DECODE_SIDES)})")
     parser.add_argument("--gpus", type=int, help="the scaling benchmark: simple_rl.py on 1 GPU, then on this many")
-    parser.add_argument("--weak", action="store_true", help="with --gpus N: N x --prompts on the N GPUs")
     parser.add_argument("--fits", nargs="+", metavar="'SHAPE [FLAG ...]'",
                         help="simple_rl.py on one GPU in each configuration: step time, peak GPU and host memory")
     parser.add_argument("--write-model", type=Path, metavar="DIR")

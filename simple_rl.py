@@ -387,16 +387,15 @@ def bins(sizes, budget: int) -> list[list[int]]:
     return groups
 
 
-def packed_micro_batches(prompts, completions, token_budget: int, device, world: World = World()):
-    """(indices, PackedBatch) of <= `token_budget` tokens in sample order, as many on every rank (sharded
-    forwards meet)."""
+def packed_micro_batches(prompts, completions, token_budget: int, device, world: World = World()) -> list:
+    """[(indices, PackedBatch)] of <= `token_budget` tokens in sample order, as many on every rank."""
     groups = bins([len(p) + len(c) for p, c in zip(prompts, completions)], token_budget)
     count = world.max(len(groups))
     while len(groups) < count:  # halve the group of most samples (the sums stay the same)
         i = max(range(len(groups)), key=lambda j: len(groups[j]))
         groups[i:i + 1] = [groups[i][: len(groups[i]) // 2], groups[i][len(groups[i]) // 2:]]
-    for idx in groups:
-        yield idx, pack_sequences([prompts[i] for i in idx], [completions[i] for i in idx], device)
+    return [(idx, pack_sequences([prompts[i] for i in idx], [completions[i] for i in idx], device))
+            for idx in groups]
 
 
 def model_args_from_hf_config(config: dict):
@@ -854,12 +853,13 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
                       world: World = World()):
     """Forward + backward in micro-batches. Returns the loss terms' per-token means and the logprobs per
     sample, which parity checks against vLLM (no extra forward)."""
-    device, s = model.device, args.sampling
+    device, s, budget = model.device, args.sampling, args.engine.max_tokens_per_microbatch
     n_tokens = int(world.sum(torch.tensor(sum(len(c) for c in rollouts.completions), device=device)))
     sums, logprobs = [], []  # per micro-batch, kept on the GPU
     optimizer.zero_grads()
-    for idx, batch in packed_micro_batches(rollouts.prompts, rollouts.completions,
-                                           args.engine.max_tokens_per_microbatch, device, world):
+    batches = packed_micro_batches(rollouts.prompts, rollouts.completions, budget, device, world)
+    for i, (idx, batch) in enumerate(batches):
+        reduce_gradients_after(model, last=i == len(batches) - 1)  # several GPUs: once a step, if it fits
         policy = model(batch, s.temperature, s.top_k, s.top_p)
         lens = torch.tensor(batch.completion_lens, device=device)
         advantages = rollouts.advantages[idx].to(device).repeat_interleave(lens)  # a sample's on each token
@@ -888,10 +888,11 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
     rows = rows[world.share(len(rows))]
     prompts, answers = [r["prompt_ids"] for r in rows], [r["answer_ids"] for r in rows]
     n_tokens = int(world.sum(torch.tensor(sum(len(a) for a in answers))))
-    total = 0.0
+    total, budget = 0.0, args.engine.max_tokens_per_microbatch
     optimizer.zero_grads()
-    budget = args.engine.max_tokens_per_microbatch
-    for _, batch in packed_micro_batches(prompts, answers, budget, model.device, world):
+    batches = packed_micro_batches(prompts, answers, budget, model.device, world)
+    for i, (_, batch) in enumerate(batches):
+        reduce_gradients_after(model, last=i == len(batches) - 1)
         loss = -model(batch).logprobs.sum() / n_tokens
         loss.backward()
         optimizer.accumulate_grads()
@@ -966,8 +967,7 @@ def warm_start(model: Qwen3, inputs, order: list[int], args: Args, world: World 
 
 
 def grpo(args: Args, engine, model: Qwen3, inputs, order: list[int], writer, world: World = World()) -> None:
-    """vLLM samples (the trainer's state waits in memory), sleeps while the trainer trains on the samples,
-    wakes with the new weights."""
+    """vLLM samples (the trainer's state waits in memory), sleeps while the trainer trains, wakes updated."""
     s, o, run = args.sampling, args.optimizer, args.run
     ref_model = reference_policy(model, world) if args.loss.kl_coef > 0 else None  # KL to GRPO's start
     optimizer = MasterWeights(model, o.lr, o.weight_decay, args.engine.offload_optimizer)
@@ -1015,8 +1015,8 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
     world = init_distributed(device)
-    if device == "cuda":  # before vLLM starts: a model that cannot fit is refused, not run out of memory
-        check_gpu_memory(inputs.model_args, args, world)
+    # Before vLLM starts: a model that cannot fit is refused, not run out of memory (the CPU is not planned).
+    keep_gathered = check_gpu_memory(inputs.model_args, args, world) if device == "cuda" else True
     if quiet:
         log_to_file(args.run.run_name, args.run.verbose, world)
     random.seed(args.data.seed)  # the loop draws from no global generator: seeded (and saved) for additions
@@ -1029,7 +1029,7 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
     model = load_qwen3(inputs.model_dir, device,
                        activation_checkpointing=args.engine.activation_checkpointing)
     if world.size > 1:
-        shard_model(model, world)
+        shard_model(model, world, keep_gathered)
     engine.check_weights(model, world)
     writer = open_tensorboard(args, inputs.start_step) if world.is_main else None
     order = list(range(len(inputs.train_rows)))
@@ -1401,10 +1401,11 @@ def parameter_counts(model_args) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.layers[0].parameters())
 
 
-def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int) -> dict[str, dict[str, float]]:
+def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int,
+                keep_gathered: bool = False) -> dict[str, dict[str, float]]:
     """Bytes one GPU holds at the peak of each phase, by what holds them: while vLLM generates (the trainer's
     state waits), while the trainer runs a micro-batch (vLLM asleep), and while AdamW steps. FSDP2 shards the
-    trainer over torchrun's `gpus` processes; each runs a whole vLLM engine."""
+    trainer over torchrun's `gpus` processes (`keep_gathered`: see `shard_model`); each runs a vLLM engine."""
     e, (n, block) = args.engine, parameter_counts(model_args)
     shard, on_gpu = n / gpus, 0 if e.offload_optimizer else 1
     state = {"bf16 weights": 2 * shard, "fp32 masters": 4 * shard * on_gpu,
@@ -1412,12 +1413,14 @@ def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int) -> dict[str, 
     if args.loss.kl_coef:
         state["reference policy"] = 2 * shard
     fsdp = {}  # FSDP2: the root (embedding, lm_head), two blocks, a block's gradient reduced in fp32
-    if gpus > 1:
+    if gpus > 1 and keep_gathered:  # the whole bf16 weights, their gradients summed whole in fp32
+        fsdp = {"weights gathered": 2 * n, "unsharded fp32 gradients": 4 * n + 4 * block}
+    elif gpus > 1:
         fsdp["gathered by FSDP2"] = 2 * (n - model_args.n_layers * block) + 4 * block + 6 * block
     context, asleep = {"CUDA context": CUDA_CONTEXT_BYTES}, {"vLLM asleep": VLLM_ASLEEP_BYTES}
     grads = {"fp32 gradient sums": 4 * shard}
     # bf16 gradients: one at a time (the embedding's the largest), under FSDP2 this rank's shards of them all
-    bf16_grads = 2 * (shard if gpus > 1 else model_args.vocab_size * model_args.dim)
+    bf16_grads = 2 * (shard if gpus > 1 and not keep_gathered else model_args.vocab_size * model_args.dim)
     micro_batch = micro_batch_bytes(model_args, e.max_tokens_per_microbatch, e.activation_checkpointing,
                                     bf16_grads)
     return {
@@ -1431,7 +1434,8 @@ def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int) -> dict[str, 
     }
 
 
-def memory_problem(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None):
+def memory_problem(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None,
+                   keep_gathered: bool = False):
     """What does not fit in the GPU's `gpu_bytes`, or in `host` = (bytes available, processes sharing them);
     None if everything fits."""
     a, e, (n, _) = model_args, args.engine, parameter_counts(model_args)
@@ -1441,7 +1445,7 @@ def memory_problem(model_args, args: Args, gpus: int, gpu_bytes: int, host: tupl
         return (f"vLLM's share (--vllm-gpu-memory {e.vllm_gpu_memory:g}: "
                 f"{e.vllm_gpu_memory * gpu_bytes / GiB:.1f} GiB) cannot hold its weights, a sequence's KV "
                 f"cache and its workspace ({vllm / GiB:.1f} GiB)")
-    for stage, parts in memory_plan(model_args, args, gpus, gpu_bytes).items():
+    for stage, parts in memory_plan(model_args, args, gpus, gpu_bytes, keep_gathered).items():
         if sum(parts.values()) > USABLE * gpu_bytes:
             largest = sorted(parts.items(), key=lambda part: -part[1])[:4]
             return (f"{stage} needs {sum(parts.values()) / GiB:.1f} of the GPU's {gpu_bytes / GiB:.1f} GiB ("
@@ -1459,11 +1463,12 @@ def memory_problem(model_args, args: Args, gpus: int, gpu_bytes: int, host: tupl
     return None
 
 
-def check_memory(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None) -> None:
-    """Refuses a run that would run out of GPU (or host) memory, naming changes with which it would fit."""
+def check_memory(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None) -> bool:
+    """Refuses a run that would run out of GPU (or host) memory, naming changes with which it would fit.
+    Returns whether a sharded trainer fits with a step's weights kept gathered (`shard_model`)."""
     problem = memory_problem(model_args, args, gpus, gpu_bytes, host)
     if problem is None:
-        return
+        return gpus > 1 and not memory_problem(model_args, args, gpus, gpu_bytes, host, keep_gathered=True)
     e = args.engine
 
     def engine(**changes) -> Args:
@@ -1491,7 +1496,7 @@ def check_memory(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[
                      + (f"it would fit with {' or '.join(fits)}" if fits else "no one change makes it fit"))
 
 
-def check_gpu_memory(model_args, args: Args, world: World) -> None:
+def check_gpu_memory(model_args, args: Args, world: World) -> bool:
     """`check_memory` on this rank's GPU and host; prints the plan once."""
     gpu_bytes = torch.cuda.mem_get_info()[1]
     try:
@@ -1500,11 +1505,13 @@ def check_gpu_memory(model_args, args: Args, world: World) -> None:
         host = (available, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except (OSError, StopIteration):  # not Linux: the host is not checked
         host = None
-    check_memory(model_args, args, world.size, gpu_bytes, host)
+    keep_gathered = check_memory(model_args, args, world.size, gpu_bytes, host)
     if world.is_main:
-        peaks = [f"{stage} {sum(parts.values()) / GiB:.1f}"
-                 for stage, parts in memory_plan(model_args, args, world.size, gpu_bytes).items()]
-        print(f"GPU memory planned, GiB of {gpu_bytes / GiB:.1f}: {', '.join(peaks)}")
+        peaks = [f"{stage} {sum(parts.values()) / GiB:.1f}" for stage, parts
+                 in memory_plan(model_args, args, world.size, gpu_bytes, keep_gathered).items()]
+        fsdp = "; FSDP2 keeps a step's weights gathered" if keep_gathered else ""
+        print(f"GPU memory planned, GiB of {gpu_bytes / GiB:.1f}: {', '.join(peaks)}{fsdp}")
+    return keep_gathered
 
 
 # ----- Several GPUs (torchrun): data parallel, FSDP2-sharded trainer -----
@@ -1549,9 +1556,10 @@ def init_distributed(device: str) -> World:
     return World(dist.get_rank(), size) if size > 1 else World()
 
 
-def shard_model(model: Qwen3, world: World) -> Qwen3:
+def shard_model(model: Qwen3, world: World, keep_gathered: bool = False) -> Qwen3:
     """FSDP2, a unit per block plus the root (embedding, final norm, maybe-tied lm_head). Gradients
-    reduce-scatter as fp32 sums, not means: the loss is already divided by all ranks' token count."""
+    reduce-scatter as fp32 sums, not means: the loss is already divided by all ranks' token count.
+    `keep_gathered`: a step gathers the weights and reduce-scatters once (`reduce_gradients_after`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(model.device.type, (world.size,))
@@ -1560,7 +1568,19 @@ def shard_model(model: Qwen3, world: World) -> Qwen3:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
+    model.keep_gathered = keep_gathered
     return model
+
+
+def reduce_gradients_after(model: Qwen3, last: bool) -> None:
+    """Before a micro-batch. FSDP2's default gathers each block's weights in every micro-batch's forward and
+    backward, and reduce-scatters its gradients after it. With `keep_gathered` the weights stay gathered and
+    the gradients are summed whole in fp32 until the step's last micro-batch, which reduce-scatters them:
+    two all-gathers and one reduce-scatter a step. A forward outside a step reshards (no stale copy)."""
+    if getattr(model, "keep_gathered", False):
+        model.set_reshard_after_forward(last)
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
 
 
 def reference_policy(model: Qwen3, world: World = World()) -> Qwen3:

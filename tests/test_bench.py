@@ -1,6 +1,8 @@
 """bench.py's arithmetic on the CPU (its runs need a GPU): a side's medians and spread over its processes,
 and the ratio line's word when the sides' spreads overlap."""
 
+from types import SimpleNamespace
+
 import pytest
 
 import bench
@@ -38,3 +40,19 @@ def test_a_save_is_costed_against_the_steps_that_neither_save_nor_run_beneath_a_
     lines = bench.save_lines([cost], 2).splitlines()
     assert "a step that saves +1.60, +2.30 s" in lines[0] and "writes of 9.0, 9.5 s" in lines[0]
     assert lines[-1] == "  the slowest step that saves: +2.30 s over one that does not"
+
+
+def test_scaling_reports_strong_and_weak_scaling_and_the_trainers_cost_per_token():
+    def run(generate, train, tokens_per_s):
+        return {"generate": generate, "train": train, "push": 0.2, "step": generate + train + 0.2,
+                "tokens_per_s": tokens_per_s, "peak_gib": [60.0], "mismatched_tokens": [0, 0]}
+    runs = {"1 GPU": run(6.0, 4.0, 10_000), "2 GPUs": run(4.0, 2.2, 16_000), "2 GPUs, 2x": run(6.2, 4.4, 19_000)}
+    ratios = bench.scaling_ratios(runs, 2)
+    assert ratios["strong"] == pytest.approx(10.2 / 6.4) and ratios["strong_train"] == pytest.approx(4.0 / 2.2)
+    assert ratios["weak"] == pytest.approx(1.9) and ratios["train_per_token"] == pytest.approx(1.1)
+    args = SimpleNamespace(layers=None, shape="1.7b", prompts=32, samples=8, max_new_tokens=512, iters=3)
+    lines = bench.scaling_lines(runs, 2, args, "H100").splitlines()
+    assert lines[-5] == "  strong scaling (2 GPUs, the same step): 1.59x (generate 1.50x, train 1.82x)"
+    assert lines[-4] == ("  weak scaling (2 GPUs, 2x the prompts): throughput 1.90x; the sharded trainer's cost per "
+                         "token 1.10x one GPU's")
+    assert lines[-1] == "  mismatched tokens per step, 2 GPUs, 2x: [0, 0]"

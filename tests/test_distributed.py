@@ -6,7 +6,9 @@ import dataclasses
 import os
 import shutil
 import socket
+from contextlib import ExitStack
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -36,35 +38,48 @@ def step_rollouts(model) -> simple_rl.Rollouts:
                               rewards, simple_rl.group_advantages(rewards, G, True))
 
 
-def one_update(model_dir, rank: int, size: int) -> dict:
+def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> dict:
     model = simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32)
     rollouts = step_rollouts(model)
     world = simple_rl.World(rank, size)
     if size > 1:  # this rank's whole groups, as the script deals them
         share = world.share(len(rollouts.prompts))
         rollouts = simple_rl.Rollouts(*(getattr(rollouts, f.name)[share] for f in dataclasses.fields(rollouts)))
-        simple_rl.shard_model(model, world)
+        simple_rl.shard_model(model, world, keep_gathered)
     checksum = simple_rl.trainer_checksum(model, world)  # of the whole weights, from the shards
     locator = trace(model, rollouts.prompts[0] + rollouts.completions[0])  # the locator's
     optimizer = simple_rl.MasterWeights(model, lr=1e-3, weight_decay=0.0)
     # Micro-batches of at most 40 tokens: the ranks cut their samples into different numbers of them.
     args = make_args(max_tokens_per_microbatch=40)
-    metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args, world)
+    calls = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}  # FSDP2's collectives, counted
+
+    def counted(name, collective):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return collective(*args, **kwargs)
+        return call
+    with ExitStack() as patches:
+        for name in calls:
+            patches.enter_context(patch.object(dist, name, counted(name, getattr(dist, name))))
+        metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args, world)
+    # The weights back in their shards after the step: a forward or a push sees the updated ones.
+    assert size == 1 or all(hasattr(p, "to_local") for p in model.parameters())
     grads = {name: simple_rl.gathered(simple_rl.shard_like(p.main_grad, p)).clone()
              for name, p in optimizer.named}
     grad_norm, changes = optimizer.step(1e-3, max_grad_norm=0.5, world=world)
     deltas = simple_rl.weight_deltas(changes, world)
     weights = {name: simple_rl.gathered(p).detach().clone() for name, p in model.named_parameters()}
     hf = {name: w.clone() for name, w in simple_rl.hf_weights(model)}  # gathered one by one
+    micro_batches = len(simple_rl.packed_micro_batches(rollouts.prompts, rollouts.completions, 40, "cpu", world))
     return {"weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas, "hf": hf,
-            "grads": grads, "checksum": checksum, "trace": locator}
+            "grads": grads, "checksum": checksum, "trace": locator, "calls": calls, "micro_batches": micro_batches}
 
 
-def worker(rank: int, world: int, port: int, model_dir, out) -> None:
+def worker(rank: int, world: int, port: int, model_dir, out, keep_gathered: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     assert simple_rl.init_distributed("cpu") == simple_rl.World(rank, world)
-    result = one_update(model_dir, rank, world)
+    result = one_update(model_dir, rank, world, keep_gathered)
     if rank == 0:
         torch.save(result, out)
     dist.destroy_process_group()
@@ -76,13 +91,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_make_the_update_of_one(tmp_path):
+@pytest.mark.parametrize("keep_gathered", [False, True])
+def test_two_processes_make_the_update_of_one(tmp_path, keep_gathered):
+    """FSDP2 gathering the weights at every micro-batch, or once a step (its gradients then reduce-scattered
+    once, after the last micro-batch): the update of one process."""
     model_dir = write_checkpoint(tmp_path / "model", qwen3_config(layers=3), seed=1)
     single = one_update(model_dir, 0, 1)
-    mp.spawn(worker, args=(2, free_port(), model_dir, tmp_path / "two.pt"), nprocs=2)
+    mp.spawn(worker, args=(2, free_port(), model_dir, tmp_path / "two.pt", keep_gathered), nprocs=2)
     two = torch.load(tmp_path / "two.pt")
 
     assert two["checksum"] == single["checksum"]
+    units, micro_batches = 3 + 1, two["micro_batches"]  # FSDP2's: a block each, and the root
+    assert micro_batches >= 3 and two["calls"]["reduce_scatter_tensor"] == units * (1 if keep_gathered else
+                                                                                    micro_batches)
+    assert two["calls"]["all_gather_into_tensor"] <= (2 * units if keep_gathered else 2 * units * micro_batches)
     assert first_divergence(two["trace"], single["trace"]).startswith("no intermediate tensor differs")
     assert single["weights"].keys() == two["weights"].keys() and single["hf"].keys() == two["hf"].keys()
     # The step's fp32 gradients agree to fp32 rounding: the sums only ran in another order. AdamW's

@@ -139,3 +139,16 @@ def test_an_offloaded_step_makes_the_same_update(tmp_path):
     for a, b, before in zip(*(m.parameters() for m in models), start):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         assert not torch.equal(a, before)
+
+
+def test_a_sharded_trainer_keeps_a_steps_weights_gathered_where_they_fit():
+    """On several GPUs the plan also says if FSDP2 may keep the whole bf16 weights and the unsharded fp32
+    gradient sums through a step (one reduce-scatter a step): for the 1.7B shape on 2 H100s; not for the 8B on
+    4, whose sharded state fits only re-gathered at every micro-batch. One GPU shards nothing."""
+    n = simple_rl.parameter_counts(shape("1.7b"))[0]
+    assert simple_rl.check_memory(shape("1.7b"), flags(), 2, H100, None) is True
+    kept = simple_rl.memory_plan(shape("1.7b"), flags(), 2, H100, keep_gathered=True)["training"]
+    assert kept["weights gathered"] == 2 * n and kept["unsharded fp32 gradients"] > 4 * n
+    assert "gathered by FSDP2" not in kept and kept["fp32 gradient sums"] == 2 * n
+    assert simple_rl.check_memory(shape("8b"), flags(activation_checkpointing=True), 4, H100, None) is False
+    assert simple_rl.check_memory(shape("1.7b"), flags(), 1, H100, None) is False
