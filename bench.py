@@ -319,8 +319,10 @@ def run_side(side: str, ckpt: Path, args) -> dict:
     runner = (standard_step_runner(ckpt, args), None, 0.0) if standard else exact_step_runner(ckpt, args)
     (step, checkpoints, pinning), startup = runner, time.perf_counter() - start
     results = [step(i) for i in range(1 + args.iters)][1:]  # the first step warms up
-    if args.profile and not standard:
-        profile_train_phase(step, 1 + args.iters)
+    # after the timed steps: saving steps and the steps beneath their writes, against them
+    saves = None if standard else saving_steps(step, checkpoints, 1 + args.iters, args.save_every)
+    if args.profile and not standard:  # last: the steps after a profiled one ran 2.4 s slower (H100)
+        profile_train_phase(step, 1 + args.iters + 2 * args.save_every)
     return {
         "steps": [times for times, _ in results],
         "startup": startup,
@@ -329,8 +331,7 @@ def run_side(side: str, ckpt: Path, args) -> dict:
         "sampled_tokens": results[0][1]["sampled_tokens"],
         "device": torch.cuda.get_device_name(),
         "pinning": pinning,
-        # after the timed steps: saving steps and the steps beneath their writes, against them
-        "saves": None if standard else saving_steps(step, checkpoints, 1 + args.iters, args.save_every),
+        "saves": saves,
     }
 
 
@@ -344,9 +345,11 @@ def profile_train_phase(step, i: int) -> None:
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     times, _ = step(i, around_train=lambda: synchronized(prof))
-    events = prof.key_averages()
-    parts = {e.key: e for e in events if e.key in ("vLLM sleeps", "micro-batches", "parity", "optimizer step")}
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total]
+    events, cpu, gpu = prof.key_averages(), torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    # a part's range shows on the CPU (its wall time) and, as an annotation, on the GPU's timeline too
+    parts = {e.key: e for e in events if e.device_type == cpu and e.key in ("vLLM sleeps", "micro-batches",
+                                                                             "parity", "optimizer step")}
+    kernels = [e for e in events if e.device_type == gpu and not e.is_user_annotation and e.self_device_time_total]
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
     print(f"\ntrain phase of one step, {torch.cuda.get_device_name()}: {times['train']:.2f} s wall, the GPU's kernels "
           f"{busy:.2f} s")
