@@ -321,7 +321,7 @@ def run_side(side: str, ckpt: Path, args) -> dict:
     results = [step(i) for i in range(1 + args.iters)][1:]  # the first step warms up
     # after the timed steps: saving steps and the steps beneath their writes, against them
     saves = None if standard else saving_steps(step, checkpoints, 1 + args.iters, args.save_every)
-    if args.profile and not standard:  # last: the steps after a profiled one ran 2.4 s slower (H100)
+    if args.profile and not standard:  # last: a profiled step runs slower, and no timed step comes after it
         profile_train_phase(step, 1 + args.iters + 2 * args.save_every)
     return {
         "steps": [times for times, _ in results],
