@@ -54,7 +54,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from torch.profiler import record_function
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import batch_invariant_backward
 import simple_rl
@@ -341,24 +341,28 @@ PHASES = ("generate", "train", "push")
 def profile_train_phase(step, i: int) -> None:
     """One more step, its train phase under torch.profiler: each part's wall time against the GPU time of the
     kernels it launched, what the GPU was busy with in all, and the kernels that took the most of it."""
-    from torch.profiler import ProfilerActivity, profile
-
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     times, _ = step(i, around_train=lambda: synchronized(prof))
     events, cpu, gpu = prof.key_averages(), torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     # a part's range shows on the CPU (its wall time) and, as an annotation, on the GPU's timeline too
     parts = {e.key: e for e in events if e.device_type == cpu and e.key in ("vLLM sleeps", "micro-batches",
                                                                              "parity", "optimizer step")}
-    kernels = [e for e in events if e.device_type == gpu and not e.is_user_annotation and e.self_device_time_total]
-    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    busy, table = top_kernels([e for e in events if e.device_type == gpu and not e.is_user_annotation], 25)
     print(f"\ntrain phase of one step, {torch.cuda.get_device_name()}: {times['train']:.2f} s wall, the GPU's kernels "
           f"{busy:.2f} s")
     for name, e in parts.items():  # a part's wall time includes the waits for the GPU it ends with
         print(f"  {name:<16}{e.cpu_time_total / 1e6:>8.3f} s wall{e.device_time_total / 1e6:>8.3f} s of kernels")
-    print(f"  {'kernel':<72}{'calls':>7}{'GPU s':>9}{'share':>7}")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
-        print(f"  {e.key[:72]:<72}{e.count:>7}{e.self_device_time_total / 1e6:>9.3f}"
-              f"{e.self_device_time_total / 1e6 / busy:>7.1%}")
+    print(table)
+
+
+def top_kernels(events, rows: int) -> tuple[float, str]:
+    """The seconds the GPU ran these profiler events' kernels, and a table of the `rows` that took the most."""
+    kernels = sorted((e for e in events if e.self_device_time_total), key=lambda e: -e.self_device_time_total)
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    lines = [f"  {'kernel':<80}{'calls':>7}{'GPU s':>9}{'share':>7}"]
+    lines += [f"  {e.key[:80]:<80}{e.count:>7}{e.self_device_time_total / 1e6:>9.4f}"
+              f"{e.self_device_time_total / 1e6 / busy:>7.1%}" for e in kernels[:rows]]
+    return busy, "\n".join(lines)
 
 
 @contextmanager
@@ -641,10 +645,11 @@ def trainer_benchmark(args) -> dict:
         f"  trainer / reference: speed {results['speed_ratio']:.2f}x, peak memory {results['memory_ratio']:.2f}x"
     )
     if args.profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             trainer_step()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        busy, table = top_kernels(prof.key_averages(), 25)
+        print(f"[the trainer's forward + backward: the GPU's kernels {busy:.3f} s]\n{table}")
     return results
 
 
@@ -827,14 +832,10 @@ def decode_side(side: str, args) -> dict:
         # The median of 3 (long - short) pairs: single pairs moved by up to 1.5x between runs (H100).
         out[n] = statistics.median(generate(528) - generate(16) for _ in range(3)) / 512 * 1e3
         if args.profile and side in ("decode-exact", "decode-standard"):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 wall = generate(64)
-            kernels = [e for e in prof.key_averages() if e.self_device_time_total]
-            busy = sum(e.self_device_time_total for e in kernels) / 1e3
-            print(f"[{side}, {n} sequences, 64 new tokens: {wall * 1e3:.0f} ms wall, the GPU's kernels {busy:.0f} ms]")
-            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]:
-                print(f"  {e.key[:80]:<80}{e.count:>7}{e.self_device_time_total / 1e3:>9.1f} ms"
-                      f"{e.self_device_time_total / 1e3 / busy:>7.1%}")
+            busy, table = top_kernels(prof.key_averages(), 20)
+            print(f"[{side}, {n} sequences, 64 new tokens: {wall:.3f} s wall, the GPU's kernels {busy:.3f} s]\n{table}")
     return out
 
 

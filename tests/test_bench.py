@@ -56,3 +56,14 @@ def test_scaling_reports_strong_and_weak_scaling_and_the_trainers_cost_per_token
     assert lines[-4] == ("  weak scaling (2 GPUs, 2x the prompts): throughput 1.90x; the sharded trainer's cost per "
                          "token 1.10x one GPU's")
     assert lines[-1] == "  mismatched tokens per step, 2 GPUs, 2x: [0, 0]"
+
+
+def test_the_profile_tables_rank_kernels_by_gpu_time():
+    def event(key, count, us):
+        return SimpleNamespace(key=key, count=count, self_device_time_total=us)
+    busy, table = bench.top_kernels([event("norm", 10, 1_000_000), event("cpu op", 3, 0),
+                                     event("matmul", 20, 3_000_000), event("add", 5, 500)], 2)
+    assert busy == pytest.approx(4.0005)
+    lines = table.splitlines()
+    assert len(lines) == 3 and lines[1].split() == ["matmul", "20", "3.0000", "75.0%"]
+    assert lines[2].split() == ["norm", "10", "1.0000", "25.0%"]
