@@ -1,11 +1,13 @@
 """Backward passes for the forward-only kernels vLLM 0.20 runs for Qwen3 in batch-invariant mode.
 
-vLLM's kernels compute forward passes only. Each `torch.autograd.Function` below runs, on CUDA,
-the very kernel vLLM runs (so the trainer's forward bits are vLLM's bits) and, on the CPU, a
-plain-PyTorch reference of the same math (so the whole model also trains without a GPU). Every
-backward is written in plain PyTorch (cuBLAS and PyTorch's fused flash-attention backward on the
-GPU), or for SwiGLU, lm_head's logprobs and the embedding in a small Triton kernel of ours on the GPU (as
-is the entropy, in the forward): gradients must be correct and deterministic, not batch-invariant.
+vLLM's kernels compute forward passes only. Each `torch.autograd.Function` below runs, on CUDA, the very
+kernel vLLM runs, or one of ours proven to give its bits (`tiled_linear`, `rms_norm_rows`,
+`split_log_softmax`: faster, tests/test_gpu.py compares them), so the trainer's forward bits are vLLM's
+bits; and, on the CPU, a plain-PyTorch reference of the same math (so the whole model also trains without
+a GPU). Every backward is written in plain PyTorch (cuBLAS and PyTorch's fused flash-attention backward
+on the GPU), or for SwiGLU, lm_head's logprobs and the embedding in a small Triton kernel of ours on the
+GPU (as is the entropy, in the forward): gradients must be correct and deterministic, not
+batch-invariant.
 
 A model picks its kernels explicitly: `EXACT` (these Functions) or `REFERENCE` (the plain-PyTorch
 functions under ordinary autograd, the ground truth in tests).
@@ -149,10 +151,91 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise log-softmax (rows, V) fp32: on CUDA vLLM's batch-invariant Triton kernel, which its sampler
     runs for the processed logprobs in batch-invariant mode."""
     if x.is_cuda:
-        from vllm.model_executor.layers.batch_invariant import log_softmax as vllm_log_softmax
-
-        return vllm_log_softmax(x)
+        return split_log_softmax(x)  # vLLM's kernel's bits
     return torch.log_softmax(x, dim=-1)
+
+
+# vLLM's batch-invariant log-softmax runs a program per row: 32 rows of a 32-sequence decode step keep 32 of
+# an H100's 132 SMs busy. The three kernels below split each row in chunks of 8 blocks and give its bits: a
+# row's max (exact in any order), each block's sum of exp (vLLM's `tl.sum` over the same 1,024-wide block, the
+# same ops), then those sums added one after another in block order, as vLLM's loop adds them.
+@triton.jit
+def _chunk_max_kernel(x, row_stride, n_cols, chunk_max, n_chunks,
+                      BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    x += row * row_stride
+    max_val = -float("inf")
+    for b in range(CHUNK):
+        cols = (chunk * CHUNK + b) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        vals = tl.load(x + cols, mask=cols < n_cols, other=-float("inf"))
+        max_val = tl.max(tl.maximum(vals, max_val))
+    tl.store(chunk_max + row * n_chunks + chunk, max_val)
+
+
+@triton.jit
+def _row_max(chunk_max, row, n_chunks, CHUNKS: tl.constexpr):
+    i = tl.arange(0, CHUNKS)
+    return tl.max(tl.load(chunk_max + row * n_chunks + i, mask=i < n_chunks, other=-float("inf")))
+
+
+@triton.jit
+def _block_sums_kernel(x, row_stride, n_cols, chunk_max, n_chunks, block_sums, n_blocks,
+                       BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    x += row * row_stride
+    max_val = _row_max(chunk_max, row, n_chunks, CHUNKS)
+    for b in range(CHUNK):
+        block = chunk * CHUNK + b
+        cols = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = cols < n_cols
+        vals = tl.load(x + cols, mask=mask, other=0.0)
+        exp_vals = tl.exp(vals - max_val)
+        block_sum = tl.sum(tl.where(mask, exp_vals, 0.0))
+        tl.store(block_sums + row * n_blocks + block, block_sum, mask=block < n_blocks)
+
+
+@triton.jit
+def _log_softmax_out_kernel(x, row_stride, out, out_row_stride, n_cols, chunk_max, n_chunks, block_sums,
+                            BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                            BLOCKS: tl.constexpr):
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    max_val = _row_max(chunk_max, row, n_chunks, CHUNKS)
+    sum_exp = 0.0
+    for b in tl.static_range(BLOCKS):  # unrolled: the loads issue at once, the adds go in vLLM's order
+        sum_exp += tl.load(block_sums + row * BLOCKS + b)
+    log_sum_exp = tl.log(sum_exp)
+    x += row * row_stride
+    out += row * out_row_stride
+    for b in range(CHUNK):
+        cols = (chunk * CHUNK + b) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = cols < n_cols
+        vals = tl.load(x + cols, mask=mask)
+        tl.store(out + cols, vals - max_val - log_sum_exp, mask=mask)
+
+
+def split_log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """vLLM 0.20's batch-invariant `log_softmax` of fp32 `x` over its last dim, with its bits, each row split
+    over many programs (see the kernels above). simple_rl.py installs it for vLLM's sampler and the trainer;
+    tests/test_gpu.py checks the bits against vLLM's kernel."""
+    if dim not in (-1, x.dim() - 1):
+        raise ValueError("split_log_softmax normalises the last dimension only")
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    (n_rows, n_cols), block, chunk = rows.shape, 1024, 8
+    n_blocks = triton.cdiv(n_cols, block)
+    n_chunks = triton.cdiv(n_blocks, chunk)
+    out = torch.empty_like(rows)
+    if n_rows == 0 or n_cols == 0:
+        return out.reshape(x.shape)
+    chunk_max = rows.new_empty(n_rows, n_chunks)
+    block_sums = rows.new_empty(n_rows, n_blocks)
+    grid, sizes = (n_rows, n_chunks), dict(BLOCK_SIZE=block, CHUNK=chunk)
+    chunks = triton.next_power_of_2(n_chunks)
+    _chunk_max_kernel[grid](rows, rows.stride(0), n_cols, chunk_max, n_chunks, **sizes)
+    _block_sums_kernel[grid](rows, rows.stride(0), n_cols, chunk_max, n_chunks, block_sums, n_blocks, **sizes,
+                             CHUNKS=chunks)
+    _log_softmax_out_kernel[grid](rows, rows.stride(0), out, out.stride(0), n_cols, chunk_max, n_chunks,
+                                  block_sums, **sizes, CHUNKS=chunks, BLOCKS=n_blocks)
+    return out.reshape(x.shape)
 
 
 def entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
@@ -352,9 +435,67 @@ class BatchInvariantLinear(torch.autograd.Function):
         return grad_x, grad_w
 
 
+@triton.jit
+def _rms_norm_rows_kernel(x, x_row_stride, x_head_stride, residual, summed, weight, out, heads, n_cols, eps,
+                          BLOCK_SIZE: tl.constexpr, ADD: tl.constexpr):
+    """vLLM's `_rms_norm_kernel`, the same ops in the same order (its bits), for the row (token, head) of a
+    strided (T, heads, D) `x`; with ADD, of bf16(x + residual), which it also stores in `summed`."""
+    row = tl.program_id(0).to(tl.int64)
+    x += (row // heads) * x_row_stride + (row % heads) * x_head_stride
+    residual += row * n_cols
+    summed += row * n_cols
+    out += row * n_cols
+    sum_sq = tl.zeros([1], dtype=tl.float32)
+    for col_offset in range(0, n_cols, BLOCK_SIZE):
+        cols = col_offset + tl.arange(0, BLOCK_SIZE)
+        mask = cols < n_cols
+        vals = tl.load(x + cols, mask=mask, other=0.0)
+        if ADD:  # fp32 sum, one rounding to bf16: what PyTorch's bf16 add computes
+            vals = (vals.to(tl.float32) + tl.load(residual + cols, mask=mask, other=0.0).to(tl.float32))
+            vals = vals.to(out.dtype.element_ty)
+            tl.store(summed + cols, vals, mask=mask)
+        vals_f32 = vals.to(tl.float32)
+        sq_vals = vals_f32 * vals_f32
+        sum_sq += tl.sum(tl.where(mask, sq_vals, 0.0))
+    mean_sq = sum_sq / n_cols
+    rms = tl.sqrt(mean_sq + eps)
+    inv_rms = 1.0 / rms
+    for col_offset in range(0, n_cols, BLOCK_SIZE):
+        cols = col_offset + tl.arange(0, BLOCK_SIZE)
+        mask = cols < n_cols
+        vals = tl.load(x + cols, mask=mask, other=0.0)
+        if ADD:  # recomputed, not read back from `summed`: no thread reads another's store
+            vals = (vals.to(tl.float32) + tl.load(residual + cols, mask=mask, other=0.0).to(tl.float32))
+            vals = vals.to(out.dtype.element_ty)
+        w = tl.load(weight + cols, mask=mask, other=1.0)
+        output_f32 = vals.to(tl.float32) * inv_rms * w.to(tl.float32)
+        tl.store(out + cols, output_f32.to(out.dtype.element_ty), mask=mask)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """vLLM 0.20's `rms_norm_batch_invariant` of `x` (..., D), with its bits, in one launch where vLLM takes
+    two or three: rows read where they lie (vLLM first copies a strided input whole, as Qwen3's q and k
+    heads are, views into the qkv projection), and with `residual` given the bf16 add `x + residual` fused in
+    front: then (norm(x + residual), x + residual), each as the add and the norm apart would give them.
+    tests/test_gpu.py checks the bits against vLLM's own kernels."""
+    D = x.shape[-1]
+    rows = x.unsqueeze(-2) if x.dim() < 3 else x  # (T, heads, D)
+    if rows.dim() > 3 or rows.stride(-1) != 1:
+        rows = rows.reshape(-1, 1, D).contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(out) if residual is not None else out
+    residual = residual.contiguous() if residual is not None else out  # unread without the add
+    T, heads = rows.shape[0], rows.shape[1]
+    if T * heads:
+        _rms_norm_rows_kernel[(T * heads,)](rows, rows.stride(0), rows.stride(1), residual, summed, weight,
+                                            out, heads, D, eps, BLOCK_SIZE=1024, ADD=summed is not out)
+    return out if summed is out else (out, summed)
+
+
 class BatchInvariantRMSNorm(torch.autograd.Function):
-    """`rms_norm_batch_invariant`: vLLM's Triton RMSNorm, one program per row. With the fused
-    add+norm replaced by a bf16 add and this kernel (see simple_rl.py), it is every norm of the model.
+    """`rms_norm_batch_invariant`: vLLM's Triton RMSNorm, one program per row (`rms_norm_rows`: its bits).
+    With the fused add+norm replaced by a bf16 add and this kernel (see simple_rl.py), it is every norm of the
+    model.
     Backward, with r = rsqrt(mean(x^2) + eps) and gw = dy * w:
     dx = r * (gw - x * r^2 * mean(gw * x)), dw = sum over rows of dy * x * r; on CUDA PyTorch's
     fused RMSNorm kernels compute it (r recomputed, fp32 math, one rounding), in two kernels rather
@@ -365,9 +506,7 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
         if x.is_cuda:
-            from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
-
-            return rms_norm_batch_invariant(x, weight, eps)
+            return rms_norm_rows(x, weight, eps)  # vLLM's norm, its bits
         return rms_norm_reference(x, weight, eps)
 
     @staticmethod
@@ -763,19 +902,19 @@ def seeded_random_sample(probs: torch.Tensor, generators: dict, unseeded: Callab
 
 
 def install_exact_kernels() -> None:
-    """Swap four of vLLM 0.20's kernels (in this process: V1 multiprocessing is off) for the trainer's own:
+    """Swap six of vLLM 0.20's kernels (in this process: V1 multiprocessing is off) for the trainer's own:
     fused add+RMSNorm's block size (< 256 tokens or not) and top-k/p's kernel (a sort below 8 rows) change the
-    bits with the batch; the matmul's 128 x 128 tiles idle most SMs in decode (`tiled_linear`: same bits);
-    the sampler draws seeded requests one by one (`seeded_random_sample`). And hold the rotary table in fp32,
-    as the trainer does (see `rope_cos_sin_cache`)."""
-    from vllm.model_executor.layers import layernorm, linear, vocab_parallel_embedding
-    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+    bits with the batch; with the same bits, the matmul's 128 x 128 tiles idle most SMs in decode
+    (`tiled_linear`), as does the log-softmax's program a row (`split_log_softmax`), and the RMSNorm copies q
+    and k before it runs (`rms_norm_rows`, the residual add fused in); the sampler draws seeded requests one
+    by one (`seeded_random_sample`). And hold the rotary
+    table in fp32, as the trainer does (see `rope_cos_sin_cache`)."""
+    from vllm.model_executor.layers import batch_invariant, layernorm, linear, vocab_parallel_embedding
     from vllm.model_executor.layers.rotary_embedding import base as rotary
     from vllm.v1.sample.ops import topk_topp_sampler
 
     def fused_add_rms_norm(x, residual, weight, variance_epsilon):  # a bf16 add, then the Triton norm
-        residual = x + residual
-        return rms_norm_batch_invariant(residual, weight, variance_epsilon), residual
+        return rms_norm_rows(x, weight, variance_epsilon, residual)
 
     def fp32_rotary_table(self, query):  # vLLM casts its table to the query's dtype, the op then back to fp32
         if self.cos_sin_cache.dtype != torch.float32:  # once, at the first forward (before graph capture)
@@ -783,6 +922,8 @@ def install_exact_kernels() -> None:
         return self.cos_sin_cache
 
     layernorm.fused_add_rms_norm = fused_add_rms_norm
+    layernorm.rms_norm_batch_invariant = rms_norm_rows
+    batch_invariant.log_softmax = split_log_softmax  # what aten's log-softmax runs on CUDA in this mode
     rotary.RotaryEmbeddingBase._match_cos_sin_cache_dtype = fp32_rotary_table
     linear.linear_batch_invariant = vocab_parallel_embedding.linear_batch_invariant = tiled_linear
     topk_topp_sampler.apply_top_k_top_p = top_k_top_p

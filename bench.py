@@ -673,17 +673,12 @@ def gemm_methods():
             "cuBLAS": torch.nn.functional.linear}
 
 
-def decode_gemms_ms(weights: list, m: int, method, replays: int = 20) -> float:
-    """Milliseconds of one decode step's GEMMs (every layer's, then lm_head's) at m rows, replayed as one
-    CUDA graph, as vLLM replays a decode step: no launch gaps, and each weight read from memory (the
-    layers' weights do not fit in L2)."""
-    inputs = {w.shape[1]: torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16) for w in weights}
-    for w in weights:  # compiles each kernel before the capture
-        method(inputs[w.shape[1]], w)
+def graph_ms(run, replays: int = 20) -> float:
+    """Milliseconds of `run()` replayed as one CUDA graph, as vLLM replays a decode step: no launch gaps."""
+    run()  # compiles each kernel before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for w in weights:
-            method(inputs[w.shape[1]], w)
+        run()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -694,10 +689,50 @@ def decode_gemms_ms(weights: list, m: int, method, replays: int = 20) -> float:
     return start.elapsed_time(end) / replays
 
 
+def decode_gemms_ms(weights: list, m: int, method) -> float:
+    """Milliseconds of one decode step's GEMMs (every layer's, then lm_head's) at m rows, as one CUDA graph
+    (each weight read from memory: the layers' weights do not fit in L2)."""
+    inputs = {w.shape[1]: torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16) for w in weights}
+    return graph_ms(lambda: [method(inputs[w.shape[1]], w) for w in weights])
+
+
+def vllm_norm(x, weight, eps, residual=None):
+    """The norms vLLM 0.20 runs in batch-invariant mode, with `rms_norm_rows`'s arguments: the Triton RMSNorm
+    (which copies a strided input first), after a bf16 add where there is a residual (the fused add+norm
+    simple_rl.py replaced before `rms_norm_rows`)."""
+    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+    if residual is None:
+        return rms_norm_batch_invariant(x, weight, eps)
+    residual = x + residual
+    return rms_norm_batch_invariant(residual, weight, eps), residual
+
+
+def decode_norms_ms(shape: str, layers: int, m: int, norm) -> float:
+    """Milliseconds of one decode step's RMSNorms at m rows, as one CUDA graph: each layer's input norm (after
+    the residual add from layer 1 on), q and k heads (views into the qkv projection's output, as vLLM's Qwen3
+    norms them) and post-attention add + norm, then the final add + norm."""
+    c = shape_config(shape)
+    d, h, kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    x, residual = (torch.randn(m, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    qkv = torch.randn(m, (h + 2 * kv) * hd, device="cuda", dtype=torch.bfloat16)
+    q, k = qkv[:, : h * hd].view(m, h, hd), qkv[:, h * hd : (h + kv) * hd].view(m, kv, hd)
+    w, w_head = torch.ones(d, device="cuda", dtype=torch.bfloat16), torch.ones(hd, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for i in range(layers):
+            norm(x, w, 1e-6, residual if i else None)
+            norm(q, w_head, 1e-6), norm(k, w_head, 1e-6)
+            norm(x, w, 1e-6, residual)
+        norm(x, w, 1e-6, residual)
+    return graph_ms(step)
+
+
 def kernel_benchmark(args) -> dict:
     """vLLM 0.20's batch-invariant matmul with its fixed tiles, with tiled_linear's tiles, and cuBLAS: a
     decode step's GEMMs (--shape, all its layers) at 1-256 rows, TFLOP/s at training sizes, and the bits
-    of tiled_linear against vLLM's, which must be equal."""
+    of tiled_linear against vLLM's, which must be equal. Then the norms and the log-softmax, vLLM's against
+    ours (`norm_and_log_softmax_benchmark`)."""
     import triton
 
     from batch_invariant_backward import matmul_tiles
@@ -743,9 +778,35 @@ def kernel_benchmark(args) -> dict:
     results["differing_elements"] = differ
     print(f"\ntiled_linear against vLLM's tiles: {differ} of {checked:,} output elements differ "
           f"(tiles {sorted({tuple(matmul_tiles(m, n, 132).values()) for m in (1, 32, 256, 8192) for n, _ in shapes.values()})})")
+    results |= norm_and_log_softmax_benchmark(args.shape, n_layers)
     if args.sweep:
         results["sweep"] = tile_sweep(shapes, weight)
     return results
+
+
+def norm_and_log_softmax_benchmark(shape: str, n_layers: int) -> dict:
+    """The two kernels simple_rl.py swaps for faster ones with the same bits (tests/test_gpu.py checks them):
+    a decode step's RMSNorms, vLLM's against `rms_norm_rows`, and the sampler's log-softmax over the
+    vocabulary (eager launches, as the sampler runs them), vLLM's against `split_log_softmax`."""
+    import triton
+    from vllm.model_executor.layers.batch_invariant import log_softmax
+
+    from batch_invariant_backward import rms_norm_rows, split_log_softmax
+
+    out = {"norms_ms": {}, "log_softmax_ms": {}}
+    vocab = shape_config(shape)["vocab_size"]
+    print(f"\nOne decode step's RMSNorms ({n_layers} layers; CUDA graph replays) and the sampler's log-softmax "
+          f"over {vocab:,} columns: vLLM's against simple_rl.py's")
+    print(f"  {'rows':>6}{'norms, vLLM':>14}{'rms_norm_rows':>15}{'ratio':>8}{'log-softmax, vLLM':>20}"
+          f"{'split':>10}{'ratio':>8}")
+    for m in (32, 256):
+        norms = [decode_norms_ms(shape, n_layers, m, norm) for norm in (vllm_norm, rms_norm_rows)]
+        logits = torch.randn(m, vocab, device="cuda")
+        softmaxes = [triton.testing.do_bench(lambda: fn(logits)) for fn in (log_softmax, split_log_softmax)]
+        out["norms_ms"][m], out["log_softmax_ms"][m] = norms, softmaxes
+        print(f"  {m:>6}{norms[0]:>11.3f} ms{norms[1]:>12.3f} ms{norms[1] / norms[0]:>7.2f}x"
+              f"{softmaxes[0]:>17.3f} ms{softmaxes[1]:>7.3f} ms{softmaxes[1] / softmaxes[0]:>7.2f}x")
+    return out
 
 
 def tile_sweep(shapes: dict, weight) -> dict:
@@ -851,7 +912,8 @@ def decode_benchmark(args) -> dict:
                    "--vllm-gpu-memory", str(args.vllm_gpu_memory), *(["--profile"] if args.profile else []),
                    "--side", side, "--json", str(out)]
             subprocess.run(cmd, env=env, check=True)
-            results[side.removeprefix("decode-")] = {int(n): ms for n, ms in json.loads(out.read_text()).items()}
+            ms = results[side.removeprefix("decode-")] = {int(n): t for n, t in json.loads(out.read_text()).items()}
+            print(f"  {side}: {ms[32]:.2f} / {ms[256]:.2f} ms at 32 / 256 sequences", flush=True)  # if cut short
     print(f"\nA decode step, Qwen3-{args.shape} shape, {torch.cuda.get_device_name()}: ms per step")
     print(f"  {'':<20}{'32 sequences':>14}{'256 sequences':>15}")
     for side, ms in results.items():
@@ -907,7 +969,8 @@ def main():
     )
     kernels = parser.add_argument_group("kernel benchmarks")
     kernels.add_argument("--kernels", action="store_true",
-                         help="decode-step GEMMs and training-size TFLOP/s: vLLM's tiles, tiled_linear's, cuBLAS")
+                         help="decode-step GEMMs and training-size TFLOP/s (vLLM's tiles, tiled_linear's, "
+                         "cuBLAS); a decode step's norms and the sampler's log-softmax (vLLM's, ours)")
     kernels.add_argument("--sweep", action="store_true", help="with --kernels: time every tile shape")
     kernels.add_argument("--decode", nargs="*", choices=DECODE_SIDES, metavar="SIDE",
                          help="ms per decode step: the standard engine, the exact one with vLLM's and with our "

@@ -465,7 +465,7 @@ class TransformerBlock(nn.Module):
         """(h, residual) of the layer below -> this layer's (h, residual), each (T, dim)."""
         ops = self.kernels
         # vLLM normalises layer 0's input alone; every later norm first adds the residual (a bf16 add,
-        # then the norm: see `make_fused_add_rms_norm_batch_invariant`).
+        # then the norm: see `install_exact_kernels`).
         residual = h if residual is None else h + residual
         h = self.attention(ops.rms_norm(residual, self.attention_norm.weight, self.eps), positions,
                            cos_sin_cache, cu_seqlens, max_seqlen)

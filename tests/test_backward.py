@@ -135,11 +135,12 @@ def test_tempered_logits_never_alias_the_logits():
 
 
 def test_triton_kernels_under_tritons_interpreter():
-    """Our four Triton kernels, which run on CUDA, run on the CPU by Triton's interpreter against float64
-    PyTorch, over rows longer than one block: SwiGLU's backward, lm_head's logprob gradient and the embedding's
-    gradient (a token at over 120 positions, others at none) within one bf16 unit in the last place (the
-    interpreter rounds to bf16 by truncation), the entropy of logprobs with a top-k cut (-inf) within fp32
-    rounding, and NaN for a row holding a NaN."""
+    """Our Triton kernels, which run on CUDA, run on the CPU by Triton's interpreter against float64 PyTorch,
+    over rows longer than one block: SwiGLU's backward, lm_head's logprob gradient, the embedding's gradient
+    (a token at over 120 positions, others at none) and the RMSNorm (of rows, of a bf16 add, of heads read in
+    place) within one or two bf16 units in the last place (the interpreter rounds to bf16 by truncation); the
+    entropy of logprobs and the split log-softmax, with a top-k cut (-inf), within fp32 rounding; NaN for a
+    row holding a NaN. (tests/test_gpu.py checks the bits of the norm and the log-softmax against vLLM's.)"""
     check = """
 import torch, batch_invariant_backward as bib
 torch.manual_seed(0)
@@ -166,6 +167,19 @@ logprobs[:, 100:] = float("-inf")
 torch.testing.assert_close(bib.row_entropy(logprobs.float()).double(), bib.entropy_of(logprobs))
 logprobs[0, 3] = float("nan")
 assert bib.row_entropy(logprobs.float()).isnan().tolist() == [True] + [False] * 6
+
+x = torch.randn(37, 20000) * 5  # 20 blocks in 3 chunks a row
+x[::3, ::7] = float("-inf")
+torch.testing.assert_close(bib.split_log_softmax(x).double(), torch.log_softmax(x.double(), -1), rtol=1e-5, atol=1e-5)
+
+w, x, r = (1 + 0.1 * torch.randn(2100)).bfloat16(), torch.randn(9, 2100).bfloat16(), (10 * torch.randn(9, 2100)).bfloat16()
+norm = lambda x, w: bib.rms_norm_reference(x.double(), w.double(), 1e-6)
+torch.testing.assert_close(bib.rms_norm_rows(x, w, 1e-6).double(), norm(x, w), rtol=2**-7, atol=1e-9)
+out, summed = bib.rms_norm_rows(x, w, 1e-6, r)
+torch.testing.assert_close(summed.double(), x.double() + r.double(), rtol=2**-7, atol=1e-9)
+torch.testing.assert_close(out.double(), norm(x.double() + r.double(), w), rtol=2**-6, atol=1e-9)
+q = torch.randn(9, 6 * 128).bfloat16()[:, : 4 * 128].view(9, 4, 128)  # 4 heads in a wider row
+torch.testing.assert_close(bib.rms_norm_rows(q, w[:128], 1e-6).double(), norm(q, w[:128]), rtol=2**-7, atol=1e-9)
 """
     env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", check], env=env, check=True)

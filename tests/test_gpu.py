@@ -380,6 +380,63 @@ def test_tiled_linear_is_bitwise_vllms_matmul():
           f"{sorted(tiles_used)}")
 
 
+def bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of two same-dtype tensors differ in a bit (NaN payloads included)."""
+    as_int = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    return int((a.contiguous().view(as_int) != b.contiguous().view(as_int)).sum())
+
+
+def test_rms_norm_rows_is_bitwise_vllms_norm_and_the_add_before_it():
+    """`rms_norm_rows`, which simple_rl.py installs in the engine for every norm: for every Qwen3 width and
+    the demo model's, at row counts from 1 to 32k, its norm of a row, its fused add + norm, and its norm of
+    the q and k heads read in place in the qkv projection's output give exactly the bits of vLLM 0.20's
+    `rms_norm_batch_invariant` after a bf16 add, and of the add itself."""
+    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+    from batch_invariant_backward import rms_norm_rows
+
+    g, eps, checked = torch.Generator(device="cuda").manual_seed(0), 1e-6, 0
+    shapes = {name: (d, h, kv, 128) for name, (d, _, h, kv) in QWEN3_SHAPES.items()} | {"demo": (256, 4, 2, 64)}
+    for name, (d, h, kv, hd) in shapes.items():  # offline_demo.py's model: 256 wide, heads of 64
+        w, w_head = (1 + 0.1 * torch.randn(d + hd, device="cuda", generator=g)).bfloat16().split([d, hd])
+        for m in ROWS:
+            x = (torch.randn(m, d, device="cuda", generator=g) * 4).bfloat16()
+            r = (torch.randn(m, d, device="cuda", generator=g) * 40).bfloat16()  # a residual stream grows
+            assert bits_differ(rms_norm_rows(x, w, eps), rms_norm_batch_invariant(x, w, eps)) == 0, (name, m)
+            out, summed = rms_norm_rows(x, w, eps, r)
+            assert bits_differ(summed, x + r) == 0, (name, m)
+            assert bits_differ(out, rms_norm_batch_invariant(x + r, w, eps)) == 0, (name, m)
+            qkv = torch.randn(m, (h + 2 * kv) * hd, device="cuda", generator=g).bfloat16()
+            q, k, _ = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
+            for heads in (q.view(m, h, hd), k.view(m, kv, hd)):  # strided views, as vLLM's Qwen3 norms them
+                assert bits_differ(rms_norm_rows(heads, w_head, eps),
+                                   rms_norm_batch_invariant(heads, w_head, eps)) == 0, (name, m)
+            checked += 1
+    print(f"\n[rms_norm_rows] {checked} (shape, rows) pairs, norm, add + norm and q/k heads bitwise vLLM's")
+
+
+def test_split_log_softmax_is_bitwise_vllms_log_softmax():
+    """`split_log_softmax`, which simple_rl.py installs for vLLM's sampler and the trainer runs: at row counts
+    from 1 to 4k, Qwen3's vocabulary and other widths (odd ones, one block, less), logits of any scale, rows
+    with tokens cut by top-k (-inf), it gives exactly the bits of vLLM 0.20's batch-invariant log-softmax."""
+    from vllm.model_executor.layers.batch_invariant import log_softmax as vllm_log_softmax
+
+    from batch_invariant_backward import split_log_softmax
+
+    g, checked = torch.Generator(device="cuda").manual_seed(0), 0
+    for vocab in (151936, 151669, 32000, 8193, 1024, 1000, 512, 7):  # 512: offline_demo.py's
+        for m in (m for m in ROWS if m * vocab <= 4097 * 151936):
+            for scale in (1.0, 30.0):
+                x = torch.randn(m, vocab, device="cuda", generator=g) * scale
+                if vocab > 100:
+                    x[::3, ::7] = float("-inf")
+                differ = bits_differ(split_log_softmax(x), vllm_log_softmax(x))
+                assert differ == 0, f"vocabulary {vocab}, {m} rows, scale {scale}: {differ} elements differ"
+                checked += 1
+    print(f"\n[split_log_softmax] {checked} (vocabulary, rows, scale) cases bitwise vLLM's")
+
+
 def test_seeded_sampler_draws_each_requests_own_tokens_from_the_distribution():
     """The sampler simple_rl.py installs in the engine (`seeded_random_sample`) draws every row at once from
     its request's seed and draw count: a request gets the same token whatever shares its batch, in whatever
