@@ -148,10 +148,10 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise log-softmax (rows, V) fp32: on CUDA vLLM's batch-invariant Triton kernel, which its sampler
-    runs for the processed logprobs in batch-invariant mode."""
+    """Row-wise log-softmax (rows, V) fp32: on CUDA the bits of vLLM's batch-invariant Triton kernel, which
+    its sampler runs for the processed logprobs in batch-invariant mode (`split_log_softmax`, faster)."""
     if x.is_cuda:
-        return split_log_softmax(x)  # vLLM's kernel's bits
+        return split_log_softmax(x)
     return torch.log_softmax(x, dim=-1)
 
 
@@ -201,7 +201,7 @@ def _log_softmax_out_kernel(x, row_stride, out, out_row_stride, n_cols, chunk_ma
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     max_val = _row_max(chunk_max, row, n_chunks, CHUNKS)
     sum_exp = 0.0
-    for b in tl.static_range(BLOCKS):  # unrolled: the loads issue at once, the adds go in vLLM's order
+    for b in tl.static_range(BLOCKS):  # unrolled (no loop to run); the adds go one after another, as vLLM's
         sum_exp += tl.load(block_sums + row * BLOCKS + b)
     log_sum_exp = tl.log(sum_exp)
     x += row * row_stride
@@ -217,9 +217,11 @@ def split_log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """vLLM 0.20's batch-invariant `log_softmax` of fp32 `x` over its last dim, with its bits, each row split
     over many programs (see the kernels above). simple_rl.py installs it for vLLM's sampler and the trainer;
     tests/test_gpu.py checks the bits against vLLM's kernel."""
-    if dim not in (-1, x.dim() - 1):
-        raise ValueError("split_log_softmax normalises the last dimension only")
+    if dim not in (-1, x.dim() - 1) or x.dtype != torch.float32:
+        raise ValueError("split_log_softmax normalises fp32 rows over the last dimension only")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if rows.data_ptr() % 16:  # vLLM's layout of a block follows its aligned output; ours, the input
+        rows = rows.clone()
     (n_rows, n_cols), block, chunk = rows.shape, 1024, 8
     n_blocks = triton.cdiv(n_cols, block)
     n_chunks = triton.cdiv(n_blocks, chunk)
@@ -479,23 +481,29 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     front: then (norm(x + residual), x + residual), each as the add and the norm apart would give them.
     tests/test_gpu.py checks the bits against vLLM's own kernels."""
     D = x.shape[-1]
-    rows = x.unsqueeze(-2) if x.dim() < 3 else x  # (T, heads, D)
-    if rows.dim() > 3 or rows.stride(-1) != 1:
-        rows = rows.reshape(-1, 1, D).contiguous()
+    like_x = residual is None or (residual.shape, residual.dtype) == (x.shape, x.dtype)
+    if weight.shape != (D,) or not like_x:
+        raise ValueError(f"rms_norm_rows: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}, "
+                         f"residual {None if residual is None else (tuple(residual.shape), residual.dtype)}")
+    rows = x if x.dim() == 3 else x.reshape(-1, 1, D)  # (T, heads, D): q/k heads, or a row a token
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    weight = weight.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(out) if residual is not None else out
     residual = residual.contiguous() if residual is not None else out  # unread without the add
     T, heads = rows.shape[0], rows.shape[1]
     if T * heads:
         _rms_norm_rows_kernel[(T * heads,)](rows, rows.stride(0), rows.stride(1), residual, summed, weight,
-                                            out, heads, D, eps, BLOCK_SIZE=1024, ADD=summed is not out)
+                                            out, heads, D, eps, BLOCK_SIZE=1024,  # vLLM's: the sums' order
+                                            ADD=summed is not out)
     return out if summed is out else (out, summed)
 
 
 class BatchInvariantRMSNorm(torch.autograd.Function):
     """`rms_norm_batch_invariant`: vLLM's Triton RMSNorm, one program per row (`rms_norm_rows`: its bits).
-    With the fused add+norm replaced by a bf16 add and this kernel (see simple_rl.py), it is every norm of the
-    model.
+    With the fused add+norm replaced by a bf16 add and this kernel (`install_exact_kernels`), it is every norm
+    of the model.
     Backward, with r = rsqrt(mean(x^2) + eps) and gw = dy * w:
     dx = r * (gw - x * r^2 * mean(gw * x)), dw = sum over rows of dy * x * r; on CUDA PyTorch's
     fused RMSNorm kernels compute it (r recomputed, fp32 math, one rounding), in two kernels rather
@@ -737,8 +745,9 @@ def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, grad_logprobs: tor
 class LMHeadLogprobs(torch.autograd.Function):
     """lm_head and the sampler's logprobs, fused. `tiled_linear` gives the bf16 logits z of all rows
     (vLLM's lm_head). Then, a chunk of rows at a time, `sampled_distribution` makes them what vLLM's sampler
-    samples from (divided by the temperature, top-k/top-p masked), and vLLM's batch-invariant log-softmax
-    gives the logprob of each target under that distribution (vLLM's processed logprobs), and the entropy.
+    samples from (divided by the temperature, top-k/top-p masked), and vLLM's batch-invariant log-softmax (its
+    bits, `log_softmax`) gives each target's logprob under that distribution (vLLM's processed logprobs), and
+    the entropy.
     The kernels compute a row the same way whatever the other rows, so chunking changes no bit. Only the
     bf16 (C, V) logits are kept for the backward: the fp32 (rows, V) temporaries exist for one chunk at
     a time, never for the whole micro-batch.
@@ -902,13 +911,12 @@ def seeded_random_sample(probs: torch.Tensor, generators: dict, unseeded: Callab
 
 
 def install_exact_kernels() -> None:
-    """Swap six of vLLM 0.20's kernels (in this process: V1 multiprocessing is off) for the trainer's own:
-    fused add+RMSNorm's block size (< 256 tokens or not) and top-k/p's kernel (a sort below 8 rows) change the
-    bits with the batch; with the same bits, the matmul's 128 x 128 tiles idle most SMs in decode
-    (`tiled_linear`), as does the log-softmax's program a row (`split_log_softmax`), and the RMSNorm copies q
-    and k before it runs (`rms_norm_rows`, the residual add fused in); the sampler draws seeded requests one
-    by one (`seeded_random_sample`). And hold the rotary
-    table in fp32, as the trainer does (see `rope_cos_sin_cache`)."""
+    """Swap vLLM 0.20's kernels (in this process: V1 multiprocessing is off) for the trainer's own: fused
+    add+RMSNorm's block size (< 256 tokens or not) and top-k/p's kernel (a sort below 8 rows) change the bits
+    with the batch; with the same bits, the matmul's 128 x 128 tiles idle most SMs in decode (`tiled_linear`),
+    as does the log-softmax's program a row (`split_log_softmax`, fp32 rows), and the RMSNorm copies q and k
+    before it runs (`rms_norm_rows`, the residual add fused in); the sampler draws seeded requests one by one
+    (`seeded_random_sample`). And hold the rotary table in fp32, like the trainer (`rope_cos_sin_cache`)."""
     from vllm.model_executor.layers import batch_invariant, layernorm, linear, vocab_parallel_embedding
     from vllm.model_executor.layers.rotary_embedding import base as rotary
     from vllm.v1.sample.ops import topk_topp_sampler
@@ -923,7 +931,11 @@ def install_exact_kernels() -> None:
 
     layernorm.fused_add_rms_norm = fused_add_rms_norm
     layernorm.rms_norm_batch_invariant = rms_norm_rows
-    batch_invariant.log_softmax = split_log_softmax  # what aten's log-softmax runs on CUDA in this mode
+    vllm_log_softmax = batch_invariant.log_softmax  # what aten's log-softmax runs on CUDA in this mode
+    if getattr(vllm_log_softmax, "__module__", None) == batch_invariant.__name__:  # not installed yet
+        def log_softmax(x, dim=-1):  # fp32, as the sampler's and the trainer's are: ours; vLLM's otherwise
+            return (split_log_softmax if x.dtype == torch.float32 else vllm_log_softmax)(x, dim)
+        batch_invariant.log_softmax = log_softmax
     rotary.RotaryEmbeddingBase._match_cos_sin_cache_dtype = fp32_rotary_table
     linear.linear_batch_invariant = vocab_parallel_embedding.linear_batch_invariant = tiled_linear
     topk_topp_sampler.apply_top_k_top_p = top_k_top_p

@@ -913,7 +913,8 @@ def decode_benchmark(args) -> dict:
                    "--side", side, "--json", str(out)]
             subprocess.run(cmd, env=env, check=True)
             ms = results[side.removeprefix("decode-")] = {int(n): t for n, t in json.loads(out.read_text()).items()}
-            print(f"  {side}: {ms[32]:.2f} / {ms[256]:.2f} ms at 32 / 256 sequences", flush=True)  # if cut short
+            # printed now too: a run cut short (a timeout, a failing side) still reports the sides it ran
+            print(f"  {side}: " + ", ".join(f"{t:.2f} ms at {n} sequences" for n, t in ms.items()), flush=True)
     print(f"\nA decode step, Qwen3-{args.shape} shape, {torch.cuda.get_device_name()}: ms per step")
     print(f"  {'':<20}{'32 sequences':>14}{'256 sequences':>15}")
     for side, ms in results.items():

@@ -10,9 +10,9 @@ that runs vLLM's own kernels. On every GPU the two take turns.
 Asserted on every sampled token unless --no-assert-bitwise: the trainer's fp32 logprob equals, bit for bit,
 the one vLLM returned when it sampled the token, whatever either side's batch (the importance ratio is exactly
 1, the k3 KL 0). It holds with VLLM_BATCH_INVARIANT=1 on vLLM 0.20.0 (FlashAttention 3, CUDA graphs, no
-torch.compile), three of whose kernels are swapped in-process, in engine and trainer alike: fused add+RMSNorm
-(not batch-invariant in 0.20), matmul (re-tiled per batch size: same bits, sooner), top-k/top-p; and its
-sampler draws every request's seeded noise in one kernel, not one launch per request.
+torch.compile), whose kernels are swapped in-process, in engine and trainer alike, where 0.20's are not
+batch-invariant (fused add+RMSNorm, top-k/top-p) or slower than need be for the same bits (matmul, RMSNorm,
+log-softmax); its sampler draws every request's seeded noise in one kernel, not one launch per request.
 
 How this GRPO departs from the paper (Shao et al., 2024):
 1. One optimizer step per batch of rollouts (on-policy); PPO-clip kept, to measure sampler/trainer mismatch.

@@ -127,6 +127,17 @@ def test_truncation_keeps_what_it_says_and_changes_nothing_when_off():
     torch.testing.assert_close(cut, 1 - torch.stack([p[:n].sum() for p, n in zip(probs, needed)]))
 
 
+def test_the_norm_and_log_softmax_refuse_what_would_not_give_vllms_bits():
+    """`split_log_softmax` takes fp32 rows only (vLLM's kernel sums other dtypes in them); `rms_norm_rows` a
+    residual of x's shape and dtype (PyTorch's add would broadcast or promote) and a weight a value a column."""
+    with pytest.raises(ValueError, match="fp32"):
+        bib.split_log_softmax(torch.zeros(2, 8, dtype=torch.bfloat16))
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    for weight, residual in [(x[0], x[:1]), (x[0], x.float()), (x[0, :4], None)]:
+        with pytest.raises(ValueError, match="rms_norm_rows"):
+            bib.rms_norm_rows(x, weight, 1e-6, residual)
+
+
 def test_tempered_logits_never_alias_the_logits():
     """Top-k/top-p masks the tempered logits in place (on CUDA): they are a copy even at T = 1 and in fp32, or
     the forward would mask the very logits its backward recomputes the distribution from."""
@@ -171,10 +182,15 @@ assert bib.row_entropy(logprobs.float()).isnan().tolist() == [True] + [False] * 
 x = torch.randn(37, 20000) * 5  # 20 blocks in 3 chunks a row
 x[::3, ::7] = float("-inf")
 torch.testing.assert_close(bib.split_log_softmax(x).double(), torch.log_softmax(x.double(), -1), rtol=1e-5, atol=1e-5)
+off = torch.randn(3 * 20000 + 1)[1:].view(3, 20000)  # 4 bytes off a 16-byte boundary
+torch.testing.assert_close(bib.split_log_softmax(off).double(), torch.log_softmax(off.double(), -1), rtol=1e-5, atol=1e-5)
+x[0] = float("-inf")
+assert bib.split_log_softmax(x)[0].isnan().all()  # as vLLM's: -inf - -inf
 
 w, x, r = (1 + 0.1 * torch.randn(2100)).bfloat16(), torch.randn(9, 2100).bfloat16(), (10 * torch.randn(9, 2100)).bfloat16()
 norm = lambda x, w: bib.rms_norm_reference(x.double(), w.double(), 1e-6)
 torch.testing.assert_close(bib.rms_norm_rows(x, w, 1e-6).double(), norm(x, w), rtol=2**-7, atol=1e-9)
+torch.testing.assert_close(bib.rms_norm_rows(x[3], w, 1e-6).double(), norm(x[3], w), rtol=2**-7, atol=1e-9)  # 1-D
 out, summed = bib.rms_norm_rows(x, w, 1e-6, r)
 torch.testing.assert_close(summed.double(), x.double() + r.double(), rtol=2**-7, atol=1e-9)
 torch.testing.assert_close(out.double(), norm(x.double() + r.double(), w), rtol=2**-6, atol=1e-9)

@@ -413,15 +413,25 @@ def test_rms_norm_rows_is_bitwise_vllms_norm_and_the_add_before_it():
                 assert bits_differ(rms_norm_rows(heads, w_head, eps),
                                    rms_norm_batch_invariant(heads, w_head, eps)) == 0, (name, m)
             checked += 1
+        assert bits_differ(rms_norm_rows(x[0], w, eps), rms_norm_batch_invariant(x[0], w, eps)) == 0, name  # 1-D
     print(f"\n[rms_norm_rows] {checked} (shape, rows) pairs, norm, add + norm and q/k heads bitwise vLLM's")
+
+
+def vllms_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.20's batch-invariant log-softmax of fp32 (rows, V), its kernel launched as its `log_softmax` launches
+    it: called directly, as simple_rl.py's engine (which other tests start) puts ours in that function's place."""
+    from vllm.model_executor.layers.batch_invariant import _log_softmax_kernel
+
+    out = torch.empty_like(x)
+    _log_softmax_kernel[(x.shape[0],)](x, out, x.stride(0), out.stride(0), x.shape[1], BLOCK_SIZE=1024)
+    return out
 
 
 def test_split_log_softmax_is_bitwise_vllms_log_softmax():
     """`split_log_softmax`, which simple_rl.py installs for vLLM's sampler and the trainer runs: at row counts
     from 1 to 4k, Qwen3's vocabulary and other widths (odd ones, one block, less), logits of any scale, rows
-    with tokens cut by top-k (-inf), it gives exactly the bits of vLLM 0.20's batch-invariant log-softmax."""
-    from vllm.model_executor.layers.batch_invariant import log_softmax as vllm_log_softmax
-
+    with tokens cut by top-k (-inf), a row all -inf, rows that start off a 16-byte boundary, it gives exactly
+    the bits of vLLM 0.20's batch-invariant log-softmax; it refuses other dtypes (vLLM's runs them)."""
     from batch_invariant_backward import split_log_softmax
 
     g, checked = torch.Generator(device="cuda").manual_seed(0), 0
@@ -431,9 +441,15 @@ def test_split_log_softmax_is_bitwise_vllms_log_softmax():
                 x = torch.randn(m, vocab, device="cuda", generator=g) * scale
                 if vocab > 100:
                     x[::3, ::7] = float("-inf")
-                differ = bits_differ(split_log_softmax(x), vllm_log_softmax(x))
+                if m > 2:
+                    x[-1] = float("-inf")  # NaN throughout, in both
+                differ = bits_differ(split_log_softmax(x), vllms_log_softmax(x))
                 assert differ == 0, f"vocabulary {vocab}, {m} rows, scale {scale}: {differ} elements differ"
                 checked += 1
+        off = torch.randn(7 * vocab + 1, device="cuda", generator=g)[1:].view(7, vocab)  # 4 bytes off
+        assert bits_differ(split_log_softmax(off), vllms_log_softmax(off)) == 0, f"vocabulary {vocab}, offset"
+    with pytest.raises(ValueError):
+        split_log_softmax(torch.zeros(2, 8, device="cuda", dtype=torch.bfloat16))
     print(f"\n[split_log_softmax] {checked} (vocabulary, rows, scale) cases bitwise vLLM's")
 
 
