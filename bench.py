@@ -28,6 +28,8 @@ the third, their writes going on in the background beneath the steps after them.
 saves (its phases and what its save held training: waiting for the previous write if it had not ended,
 copying to host memory) and each step beneath a write against the median timed step, each write's seconds,
 the wait for the last write at the end, and the seconds the page-locked memory took to make at the start.
+Each timed step's median vLLM engine step is printed too, both sides: generation's spread between steps is
+whole generations run slow in every engine step (8.3 against 12.7-15.1 ms at 256 sequences, one H200).
 
 Scaling benchmark (--gpus N). simple_rl.py itself, end to end, on a random model of --shape with a
 tokenizer trained on --gsm8k (also its questions): `python simple_rl.py` on one GPU, then `torchrun
@@ -117,6 +119,21 @@ def bench_prompts(args) -> tuple[list[list[int]], torch.Tensor]:
     return [p for p in prompts for _ in range(args.samples)], rewards
 
 
+def engine_step_times(llm) -> list:
+    """A list that gets the seconds of each step vLLM's engine (of `vllm.LLM` `llm`) takes from now on: a decode
+    step of every running sequence, or a prefill chunk. Their median tells a generation slow in every step
+    (seen: 8.3 ms against 12.7-15.1 ms at 256 sequences, whole generations apart) from one slowed by a few."""
+    seconds, step = [], llm.llm_engine.step
+
+    def timed():
+        start = time.perf_counter()
+        out = step()
+        seconds.append(time.perf_counter() - start)
+        return out
+    llm.llm_engine.step = timed
+    return seconds
+
+
 def exact_step_runner(ckpt: Path, args):
     """simple_rl.py's own GRPO step: returns a function that runs one and returns its phase times, the
     script's checkpoint writer (its page-locked host memory made now, as the script makes it before its first
@@ -136,9 +153,11 @@ def exact_step_runner(ckpt: Path, args):
     optimizer = simple_rl.MasterWeights(model, config.optimizer.lr, config.optimizer.weight_decay)
     prompts, rewards = bench_prompts(args)
     advantages = simple_rl.group_advantages(rewards, args.samples, True)
+    engine_steps = engine_step_times(engine.llm)
 
     def step(i: int, around_train=contextlib.nullcontext) -> tuple[dict, dict]:
         times, memory = {}, {}
+        engine_steps.clear()
         with simple_rl.phase("generate", times, memory):
             seeds = simple_rl.rollout_seeds(0, i, len(prompts))
             completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), 1.0, seeds,
@@ -159,6 +178,7 @@ def exact_step_runner(ckpt: Path, args):
         return times, memory | {
             "mismatched_tokens": parity["mismatched_tokens"],
             "sampled_tokens": sum(len(c) for c in completions),
+            "engine_step_ms": 1e3 * statistics.median(engine_steps),
         }
 
     start = time.perf_counter()
@@ -229,6 +249,7 @@ def standard_step_runner(ckpt: Path, args):
     optimizer = torch.optim.AdamW(masters, lr=1e-6, weight_decay=0.0)
     prompts, rewards = bench_prompts(args)
     advantages = simple_rl.group_advantages(rewards, args.samples, True)
+    engine_steps = engine_step_times(llm)
 
     def train(completions, vllm_logprobs):
         n_tokens = sum(len(c) for c in completions)
@@ -278,6 +299,7 @@ def standard_step_runner(ckpt: Path, args):
 
     def step(i: int) -> tuple[dict, dict]:
         times, memory = {}, {}
+        engine_steps.clear()
         with simple_rl.phase("generate", times, memory):
             seeds = simple_rl.rollout_seeds(0, i, len(prompts))
             sampling = [
@@ -308,7 +330,8 @@ def standard_step_runner(ckpt: Path, args):
             weights = dict(model.state_dict())
             llm.apply_model(lambda served: served.load_weights(iter(weights.items())))
             llm.wake_up(tags=["kv_cache"])
-        return times, memory | {"sampled_tokens": sum(len(c) for c in completions)}
+        return times, memory | {"sampled_tokens": sum(len(c) for c in completions),
+                                "engine_step_ms": 1e3 * statistics.median(engine_steps)}
 
     return step
 
@@ -328,6 +351,7 @@ def run_side(side: str, ckpt: Path, args) -> dict:
         "startup": startup,
         "phase_end_gib": {name: max(m[name] for _, m in results) for name in results[0][0]},
         "mismatched_tokens": [m.get("mismatched_tokens") for _, m in results],
+        "engine_step_ms": [m["engine_step_ms"] for _, m in results],
         "sampled_tokens": results[0][1]["sampled_tokens"],
         "device": torch.cuda.get_device_name(),
         "pinning": pinning,
@@ -386,6 +410,7 @@ def combine(runs: list[dict]) -> dict:
     out["steps"] = [sum(times.values()) for times in steps]
     out["peak_gib"] = max(max(run["peak_gib"]) for run in runs)
     out["mismatched_tokens"] = [n for run in runs for n in run["mismatched_tokens"]]
+    out["engine_step_ms"] = [ms for run in runs for ms in run.get("engine_step_ms", [])]
     out["saves"] = [save_costs(run) for run in runs if run.get("saves")]
     out |= {key: runs[0][key] for key in ("sampled_tokens", "device")}
     return out
@@ -459,6 +484,9 @@ def step_benchmark(args) -> dict:
     )
     print(f"  exact side: mismatched tokens per step {exact['mismatched_tokens']} of "
           f"{exact['sampled_tokens']}")
+    for name, r in results.items():  # a slow generation: slow in every engine step, or in a few?
+        print(f"  {name}: a vLLM engine step's median, timed step by step: "
+              + ", ".join(f"{ms:.1f}" for ms in r["engine_step_ms"]) + " ms")
     print(save_lines(exact["saves"], args.save_every))
     results["step_ratio"] = exact["step"] / standard["step"]
     return results

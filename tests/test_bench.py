@@ -10,7 +10,8 @@ import bench
 
 def process(*steps):
     return {"steps": [dict(generate=g, train=t, push=0.2) for g, t in steps], "peak_gib": [70.0],
-            "mismatched_tokens": [0] * len(steps), "checkpoint_s": 20.0, "sampled_tokens": 131072, "device": "H100"}
+            "mismatched_tokens": [0] * len(steps), "checkpoint_s": 20.0, "sampled_tokens": 131072, "device": "H100",
+            "engine_step_ms": [8.0 + g for g, _ in steps]}
 
 
 def test_a_side_has_its_medians_and_the_spread_of_its_processes():
@@ -18,6 +19,17 @@ def test_a_side_has_its_medians_and_the_spread_of_its_processes():
     assert (side["generate"], side["train"]) == pytest.approx((6.7, 4.3))  # over all four steps
     assert side["spread"]["generate"] == pytest.approx((6.2, 7.1))
     assert side["spread"]["step"] == pytest.approx((6.2 + 4.1 + 0.2, 7.1 + 4.5 + 0.2))
+
+
+def test_each_timed_step_keeps_its_engine_steps_median():
+    """`engine_step_times` times every step of vLLM's engine, leaving what it returns alone; a side keeps each
+    timed step's median engine step, process after process."""
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(step=lambda: "outputs"))
+    seconds = bench.engine_step_times(llm)
+    assert [llm.llm_engine.step() for _ in range(3)] == ["outputs"] * 3
+    assert len(seconds) == 3 and all(s >= 0 for s in seconds)
+    side = bench.combine([process((6.0, 4.0), (6.4, 4.2)), process((7.0, 4.4))])
+    assert side["engine_step_ms"] == pytest.approx([14.0, 14.4, 15.0])
 
 
 def test_the_ratio_line_says_where_the_sides_spreads_overlap():
