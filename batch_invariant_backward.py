@@ -5,8 +5,8 @@ kernel vLLM runs, or one of ours proven to give its bits (`tiled_linear`, `rms_n
 `split_log_softmax`: faster, tests/test_gpu.py compares them), so the trainer's forward bits are vLLM's
 bits; and, on the CPU, a plain-PyTorch reference of the same math (so the whole model also trains without
 a GPU). Every backward is written in plain PyTorch (cuBLAS and PyTorch's fused flash-attention backward
-on the GPU), or for SwiGLU, lm_head's logprobs and the embedding in a small Triton kernel of ours on the
-GPU (as is the entropy, in the forward): gradients must be correct and deterministic, not
+on the GPU), or for SwiGLU, the RMSNorm, lm_head's logprobs and the embedding in a small Triton kernel of
+ours on the GPU (as is the entropy, in the forward): gradients must be correct and deterministic, not
 batch-invariant.
 
 A model picks its kernels explicitly: `EXACT` (these Functions) or `REFERENCE` (the plain-PyTorch
@@ -505,9 +505,8 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
     With the fused add+norm replaced by a bf16 add and this kernel (`install_exact_kernels`), it is every norm
     of the model.
     Backward, with r = rsqrt(mean(x^2) + eps) and gw = dy * w:
-    dx = r * (gw - x * r^2 * mean(gw * x)), dw = sum over rows of dy * x * r; on CUDA PyTorch's
-    fused RMSNorm kernels compute it (r recomputed, fp32 math, one rounding), in two kernels rather
-    than a dozen elementwise passes over the activations."""
+    dx = r * (gw - x * r^2 * mean(gw * x)), dw = sum over rows of dy * x * r; on CUDA in one Triton pass
+    (`rms_norm_backward`), on the CPU in plain PyTorch."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -521,11 +520,7 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         if x.is_cuda:
-            dims = [x.shape[-1]]
-            _, inv_rms = torch.ops.aten._fused_rms_norm(x, dims, None, ctx.eps)
-            grad_x, grad_w = torch.ops.aten._fused_rms_norm_backward(
-                grad_out, x, dims, inv_rms, weight, [True, True])
-            return grad_x, grad_w, None
+            return (*rms_norm_backward(grad_out, x, weight, ctx.eps), None)
         acc = _acc(x.dtype)
         xf, g = x.to(acc), grad_out.to(acc)
         inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
@@ -533,6 +528,59 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
         grad_x = inv_rms * (gw - xf * inv_rms.pow(2) * (gw * xf).mean(-1, keepdim=True))
         grad_w = (g * xf * inv_rms).reshape(-1, x.shape[-1]).sum(0)
         return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+@triton.jit
+def _rms_norm_backward_kernel(grad_out, x, x_row_stride, x_head_stride, weight, grad_x, partial_grad_w,
+                              heads, n_rows, n_cols, eps, tiles_per_program,
+                              ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Tiles of ROWS whole rows (row = a (token, head) of a strided (T, heads, D) `x`), `tiles_per_program`
+    consecutive ones a program: each row's dx in fp32, rounded once; the program's fp32 sum of dy * x * r
+    over its rows, stored as its row of `partial_grad_w`."""
+    cols = tl.arange(0, BLOCK)
+    col_mask = cols < n_cols
+    w = tl.load(weight + cols, mask=col_mask, other=0.0).to(tl.float32)
+    grad_w = tl.zeros([BLOCK], dtype=tl.float32)
+    first = tl.program_id(0).to(tl.int64) * tiles_per_program * ROWS
+    for tile in range(tiles_per_program):
+        rows = first + tile * ROWS + tl.arange(0, ROWS)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        x_rows = (rows // heads) * x_row_stride + (rows % heads) * x_head_stride
+        xf = tl.load(x + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(grad_out + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+        gw = dy * w[None, :]
+        mean_gw_x = tl.sum(gw * xf, axis=1) / n_cols
+        dx = r[:, None] * (gw - xf * (r * r * mean_gw_x)[:, None])
+        tl.store(grad_x + rows[:, None] * n_cols + cols[None, :], dx.to(grad_x.dtype.element_ty), mask=mask)
+        grad_w += tl.sum(dy * xf * r[:, None], axis=0)
+    tl.store(partial_grad_w + tl.program_id(0).to(tl.int64) * n_cols + cols, grad_w, mask=col_mask)
+
+
+def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(dx, dw) of the RMSNorm of `x` (..., D) (q/k heads: a strided (T, heads, D) view, read in place) in
+    one pass over x and dy: r recomputed in fp32, dx rounded once. Each program sums dw over a fixed run of
+    rows; the runs' sums are then added by `torch.sum` (a fixed order): the same bits on every call of a
+    shape. It replaced PyTorch's fused RMSNorm backward (its norm forward again for r, then two kernels)."""
+    D = x.shape[-1]
+    rows_view = x if x.dim() == 3 else x.reshape(-1, 1, D)
+    if rows_view.stride(-1) != 1:
+        rows_view = rows_view.contiguous()
+    grad_out = grad_out.contiguous()
+    n_rows, heads = rows_view.shape[0] * rows_view.shape[1], rows_view.shape[1]
+    block = triton.next_power_of_2(D)
+    tile = max(1, 4096 // block)  # rows a tile: ~4k elements, whole rows
+    tiles = triton.cdiv(n_rows, tile)
+    tiles_per_program = triton.cdiv(tiles, 1024)  # at most 1,024 programs, so that few partial sums
+    programs = triton.cdiv(tiles, tiles_per_program)
+    grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    partial = torch.empty(programs, D, dtype=torch.float32, device=x.device)
+    if n_rows:
+        _rms_norm_backward_kernel[(programs,)](grad_out, rows_view, rows_view.stride(0), rows_view.stride(1),
+                                               weight.contiguous(), grad_x, partial, heads, n_rows, D, eps,
+                                               tiles_per_program, ROWS=tile, BLOCK=block,
+                                               num_warps=8 if block >= 2048 else 4)
+    return grad_x, partial.sum(0).to(weight.dtype)
 
 
 class SiluAndMul(torch.autograd.Function):

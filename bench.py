@@ -42,6 +42,7 @@ train phase over the one GPU's is what the sharded trainer costs per token.
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import random
@@ -132,6 +133,17 @@ def engine_step_times(llm) -> list:
         return out
     llm.llm_engine.step = timed
     return seconds
+
+
+@contextmanager
+def gc_off():
+    """Python's cycle collector off, as simple_rl.VLLMEngine.generate has it while generating: both sides'
+    generation does the same host work but for what exactness adds."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def exact_step_runner(ckpt: Path, args):
@@ -308,19 +320,18 @@ def standard_step_runner(ckpt: Path, args):
                     max_tokens=args.max_new_tokens,
                     seed=s if args.seeded_standard else None,  # a standard RL run samples unseeded
                     logprobs=0,
+                    flat_logprobs=True,  # the exact side's host work (simple_rl.VLLMEngine.generate)
                     detokenize=False,
                     ignore_eos=True,
                 )
                 for s in seeds
             ]
-            outputs = llm.generate(
-                [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False
-            )
+            with gc_off():
+                outputs = llm.generate(
+                    [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False
+                )
             completions = [list(o.outputs[0].token_ids) for o in outputs]
-            logprobs = [
-                torch.tensor([lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-                for o in outputs
-            ]
+            logprobs = [torch.tensor(o.outputs[0].logprobs.logprobs) for o in outputs]
         with simple_rl.phase("train", times, memory):
             llm.sleep(level=2)
             train(completions, logprobs)
@@ -911,10 +922,12 @@ def decode_side(side: str, args) -> dict:
 
         def generate(tokens: int) -> float:
             params = [SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=0,
-                                     detokenize=False, seed=None if side == "decode-standard" else i)
+                                     flat_logprobs=True, detokenize=False,
+                                     seed=None if side == "decode-standard" else i)
                       for i in range(n)]
             start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
+            with gc_off():  # both sides as simple_rl.VLLMEngine.generate runs
+                llm.generate(prompts, params, use_tqdm=False)
             return time.perf_counter() - start
 
         generate(16)

@@ -148,9 +148,9 @@ def test_tempered_logits_never_alias_the_logits():
 def test_triton_kernels_under_tritons_interpreter():
     """Our Triton kernels, which run on CUDA, run on the CPU by Triton's interpreter against float64 PyTorch,
     over rows longer than one block: SwiGLU's backward, lm_head's logprob gradient, the embedding's gradient
-    (a token at over 120 positions, others at none) and the RMSNorm (of rows, of a bf16 add, of heads read in
-    place) within one or two bf16 units in the last place (the interpreter rounds to bf16 by truncation); the
-    entropy of logprobs and the split log-softmax, with a top-k cut (-inf), within fp32 rounding; NaN for a
+    (a token at over 120 positions, others at none), the RMSNorm (of rows, of a bf16 add, of heads read in
+    place) and its backward (a program over several tiles in the last case) within one or two bf16 units in
+    the last place (the interpreter rounds to bf16 by truncation); the entropy of logprobs and the split log-softmax, with a top-k cut (-inf), within fp32 rounding; NaN for a
     row holding a NaN. (tests/test_gpu.py checks the bits of the norm and the log-softmax against vLLM's.)"""
     check = """
 import torch, batch_invariant_backward as bib
@@ -196,6 +196,16 @@ torch.testing.assert_close(summed.double(), x.double() + r.double(), rtol=2**-7,
 torch.testing.assert_close(out.double(), norm(x.double() + r.double(), w), rtol=2**-6, atol=1e-9)
 q = torch.randn(9, 6 * 128).bfloat16()[:, : 4 * 128].view(9, 4, 128)  # 4 heads in a wider row
 torch.testing.assert_close(bib.rms_norm_rows(q, w[:128], 1e-6).double(), norm(q, w[:128]), rtol=2**-7, atol=1e-9)
+
+def norm_grads(x, w, dy):  # float64 autograd of the reference norm
+    x, w = x.double().requires_grad_(), w.double().requires_grad_()
+    (norm(x, w) * dy.double()).sum().backward()
+    return x.grad, w.grad
+for x_, w_ in ((x, w), (q, w[:128]), (torch.randn(530_000, 8).bfloat16(), w[:8])):  # the last: 2 tiles a program
+    dy = torch.randn(x_.shape).bfloat16()
+    (gx, gw), (rx, rw) = bib.rms_norm_backward(dy, x_, w_, 1e-6), norm_grads(x_, w_, dy)
+    torch.testing.assert_close(gx.double(), rx, rtol=2**-6, atol=1e-6)
+    torch.testing.assert_close(gw.double(), rw, rtol=2**-6, atol=1e-6)
 """
     env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", check], env=env, check=True)

@@ -528,7 +528,7 @@ def test_head_sizes_whose_attention_vllm_computes_otherwise_are_refused():
 # logging and the locator, each a single call.
 PLUMBING_ENTRY_POINTS = {
     "check_args", "load_inputs", "read_config", "rope_parameters", "check_gpu_memory", "gathered", "local_part",
-    "to_host", "to_device", "weight_deltas", "mismatch_by_probability", "reference_policy", "log_to_file", "init_distributed", "shard_model", "whole_step",
+    "to_host", "to_device", "stepped_on_host", "weight_deltas", "mismatch_by_probability", "reference_policy", "log_to_file", "init_distributed", "shard_model", "whole_step",
     "reduce_gradients_after",
     "restore_training_state", "Checkpoints", "parity_record", "open_tensorboard", "progress_bar", "phase",
     "log_step", "log_line", "log_eval", "log_parity", "step_scalars", "step_line", "find_first_divergence",
