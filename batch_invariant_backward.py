@@ -562,6 +562,8 @@ def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     one pass over x and dy: r recomputed in fp32, dx rounded once. Each program sums dw over a fixed run of
     rows; the runs' sums are then added by `torch.sum` (a fixed order): the same bits on every call of a
     shape. It replaced PyTorch's fused RMSNorm backward (its norm forward again for r, then two kernels)."""
+    if not eps > 0:  # a tile's rows past the last have x = 0: r would be inf there, and dw NaN
+        raise ValueError(f"rms_norm_backward: eps must be > 0, not {eps}")
     D = x.shape[-1]
     rows_view = x if x.dim() == 3 else x.reshape(-1, 1, D)
     if rows_view.stride(-1) != 1:
@@ -571,7 +573,7 @@ def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     block = triton.next_power_of_2(D)
     tile = max(1, 4096 // block)  # rows a tile: ~4k elements, whole rows
     tiles = triton.cdiv(n_rows, tile)
-    tiles_per_program = triton.cdiv(tiles, 1024)  # at most 1,024 programs, so that few partial sums
+    tiles_per_program = max(1, triton.cdiv(tiles, 1024))  # at most 1,024 programs: few partial sums
     programs = triton.cdiv(tiles, tiles_per_program)
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     partial = torch.empty(programs, D, dtype=torch.float32, device=x.device)

@@ -28,8 +28,9 @@ the third, their writes going on in the background beneath the steps after them.
 saves (its phases and what its save held training: waiting for the previous write if it had not ended,
 copying to host memory) and each step beneath a write against the median timed step, each write's seconds,
 the wait for the last write at the end, and the seconds the page-locked memory took to make at the start.
-Each timed step's median vLLM engine step is printed too, both sides: generation's spread between steps is
-whole generations run slow in every engine step (8.3 against 12.7-15.1 ms at 256 sequences, one H200).
+Each timed step's median vLLM engine step is printed too, both sides, and the GPU time of the model's forward
+in it (CUDA events): the rest is vLLM's host work, which bounds a step at 256 sequences (H100: 7.4 ms of forward
+in steps of 9.5-15 ms, the host's speed moving by half between generations).
 
 Scaling benchmark (--gpus N). simple_rl.py itself, end to end, on a random model of --shape with a
 tokenizer trained on --gsm8k (also its questions): `python simple_rl.py` on one GPU, then `torchrun
@@ -120,30 +121,54 @@ def bench_prompts(args) -> tuple[list[list[int]], torch.Tensor]:
     return [p for p in prompts for _ in range(args.samples)], rewards
 
 
-def engine_step_times(llm) -> list:
-    """A list that gets the seconds of each step vLLM's engine (of `vllm.LLM` `llm`) takes from now on: a decode
-    step of every running sequence, or a prefill chunk. Their median tells a generation slow in every step
-    (seen: 8.3 ms against 12.7-15.1 ms at 256 sequences, whole generations apart) from one slowed by a few."""
-    seconds, step = [], llm.llm_engine.step
+class EngineSteps:
+    """Times vLLM's engine (of `vllm.LLM` `llm`) from now on: each step's seconds (a decode step of every
+    running sequence, or a prefill chunk) and the GPU milliseconds of the model's forward in it (CUDA events).
+    The rest of a step is vLLM's host work (scheduler, inputs, outputs): at 256 sequences on an H100, 7.4 ms of
+    forward in steps of 9.5-15 ms, the host's speed moving by half between generations."""
 
-    def timed():
-        start = time.perf_counter()
-        out = step()
-        seconds.append(time.perf_counter() - start)
+    def __init__(self, llm):
+        self.seconds, self.forwards = [], []
+        step = llm.llm_engine.step
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        forward = runner._model_forward
+
+        def timed_step():
+            start = time.perf_counter()
+            out = step()
+            self.seconds.append(time.perf_counter() - start)
+            return out
+
+        def timed_forward(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = forward(*args, **kwargs)
+            end.record()
+            self.forwards.append((start, end))
+            return out
+        llm.llm_engine.step, runner._model_forward = timed_step, timed_forward
+
+    def medians(self) -> dict:
+        """The median engine step and forward, in ms, of the steps since the last call."""
+        torch.cuda.synchronize()  # every timed forward has ended
+        out = {"engine_step_ms": 1e3 * statistics.median(self.seconds),
+               "forward_ms": statistics.median(start.elapsed_time(end) for start, end in self.forwards)}
+        self.seconds.clear()
+        self.forwards.clear()
         return out
-    llm.llm_engine.step = timed
-    return seconds
 
 
 @contextmanager
 def gc_off():
     """Python's cycle collector off, as simple_rl.VLLMEngine.generate has it while generating: both sides'
     generation does the same host work but for what exactness adds."""
+    collecting = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if collecting:
+            gc.enable()
 
 
 def exact_step_runner(ckpt: Path, args):
@@ -165,11 +190,10 @@ def exact_step_runner(ckpt: Path, args):
     optimizer = simple_rl.MasterWeights(model, config.optimizer.lr, config.optimizer.weight_decay)
     prompts, rewards = bench_prompts(args)
     advantages = simple_rl.group_advantages(rewards, args.samples, True)
-    engine_steps = engine_step_times(engine.llm)
+    engine_steps = EngineSteps(engine.llm)
 
     def step(i: int, around_train=contextlib.nullcontext) -> tuple[dict, dict]:
         times, memory = {}, {}
-        engine_steps.clear()
         with simple_rl.phase("generate", times, memory):
             seeds = simple_rl.rollout_seeds(0, i, len(prompts))
             completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), 1.0, seeds,
@@ -187,10 +211,9 @@ def exact_step_runner(ckpt: Path, args):
                 _, changes = optimizer.step(simple_rl.lr_at(i, config.optimizer), config.optimizer.max_grad_norm)
         with simple_rl.phase("push", times, memory):
             engine.sync_weights(model, world, changed=any(float(c[0]) for c in changes.values()))
-        return times, memory | {
+        return times, memory | engine_steps.medians() | {
             "mismatched_tokens": parity["mismatched_tokens"],
             "sampled_tokens": sum(len(c) for c in completions),
-            "engine_step_ms": 1e3 * statistics.median(engine_steps),
         }
 
     start = time.perf_counter()
@@ -261,7 +284,7 @@ def standard_step_runner(ckpt: Path, args):
     optimizer = torch.optim.AdamW(masters, lr=1e-6, weight_decay=0.0)
     prompts, rewards = bench_prompts(args)
     advantages = simple_rl.group_advantages(rewards, args.samples, True)
-    engine_steps = engine_step_times(llm)
+    engine_steps = EngineSteps(llm)
 
     def train(completions, vllm_logprobs):
         n_tokens = sum(len(c) for c in completions)
@@ -311,7 +334,6 @@ def standard_step_runner(ckpt: Path, args):
 
     def step(i: int) -> tuple[dict, dict]:
         times, memory = {}, {}
-        engine_steps.clear()
         with simple_rl.phase("generate", times, memory):
             seeds = simple_rl.rollout_seeds(0, i, len(prompts))
             sampling = [
@@ -341,8 +363,7 @@ def standard_step_runner(ckpt: Path, args):
             weights = dict(model.state_dict())
             llm.apply_model(lambda served: served.load_weights(iter(weights.items())))
             llm.wake_up(tags=["kv_cache"])
-        return times, memory | {"sampled_tokens": sum(len(c) for c in completions),
-                                "engine_step_ms": 1e3 * statistics.median(engine_steps)}
+        return times, memory | engine_steps.medians() | {"sampled_tokens": sum(len(c) for c in completions)}
 
     return step
 
@@ -363,6 +384,7 @@ def run_side(side: str, ckpt: Path, args) -> dict:
         "phase_end_gib": {name: max(m[name] for _, m in results) for name in results[0][0]},
         "mismatched_tokens": [m.get("mismatched_tokens") for _, m in results],
         "engine_step_ms": [m["engine_step_ms"] for _, m in results],
+        "forward_ms": [m["forward_ms"] for _, m in results],
         "sampled_tokens": results[0][1]["sampled_tokens"],
         "device": torch.cuda.get_device_name(),
         "pinning": pinning,
@@ -422,6 +444,7 @@ def combine(runs: list[dict]) -> dict:
     out["peak_gib"] = max(max(run["peak_gib"]) for run in runs)
     out["mismatched_tokens"] = [n for run in runs for n in run["mismatched_tokens"]]
     out["engine_step_ms"] = [ms for run in runs for ms in run.get("engine_step_ms", [])]
+    out["forward_ms"] = [ms for run in runs for ms in run.get("forward_ms", [])]
     out["saves"] = [save_costs(run) for run in runs if run.get("saves")]
     out |= {key: runs[0][key] for key in ("sampled_tokens", "device")}
     return out
@@ -495,9 +518,10 @@ def step_benchmark(args) -> dict:
     )
     print(f"  exact side: mismatched tokens per step {exact['mismatched_tokens']} of "
           f"{exact['sampled_tokens']}")
-    for name, r in results.items():  # a slow generation: slow in every engine step, or in a few?
+    for name, r in results.items():  # a slow generation: slow in every engine step? on the GPU or the host?
         print(f"  {name}: a vLLM engine step's median, timed step by step: "
-              + ", ".join(f"{ms:.1f}" for ms in r["engine_step_ms"]) + " ms")
+              + ", ".join(f"{ms:.1f}" for ms in r["engine_step_ms"]) + " ms; its model forward on the GPU: "
+              + ", ".join(f"{ms:.1f}" for ms in r["forward_ms"]) + " ms")
     print(save_lines(exact["saves"], args.save_every))
     results["step_ratio"] = exact["step"] / standard["step"]
     return results

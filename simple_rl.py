@@ -614,11 +614,13 @@ class VLLMEngine:
                                  detokenize=False, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
                   for n, s in zip(max_tokens, seeds)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        gc.disable()  # vLLM's host work bounds a decode step; GC passes over its short-lived objects add ~5%
+        collecting = gc.isenabled()  # vLLM's host work bounds a decode step: GC passes on its objects add ~5%
+        gc.disable()
         try:
             samples = [out.outputs[0] for out in self.llm.generate(prompts, params, use_tqdm=False)]
         finally:
-            gc.enable()
+            if collecting:
+                gc.enable()
         return ([list(s.token_ids) for s in samples],  # a Python float holds fp32 exactly
                 [torch.tensor(s.logprobs.logprobs, dtype=torch.float32) for s in samples])
 
@@ -1163,8 +1165,8 @@ def read_config(model_dir: Path) -> dict:
         what = f"no {', '.join(missing)}" if missing else f"model_type is {config.get('model_type')!r}"
         raise UsageError(f"{path}: {what}; this trainer needs a Hugging Face Qwen3 config")
     for key in keys:
-        if not isinstance(config[key], (int, float)) or isinstance(config[key], bool):
-            raise UsageError(f"{path}: {key} is {config[key]!r}; it must be a number")
+        if not isinstance(config[key], (int, float)) or isinstance(config[key], bool) or not config[key] > 0:
+            raise UsageError(f"{path}: {key} is {config[key]!r}; it must be a number > 0")
     rope = rope_parameters(config)
     unsupported = {"hidden_act": config.get("hidden_act", "silu") != "silu",
                    "attention_bias": bool(config.get("attention_bias", False)),

@@ -129,13 +129,16 @@ def test_truncation_keeps_what_it_says_and_changes_nothing_when_off():
 
 def test_the_norm_and_log_softmax_refuse_what_would_not_give_vllms_bits():
     """`split_log_softmax` takes fp32 rows only (vLLM's kernel sums other dtypes in them); `rms_norm_rows` a
-    residual of x's shape and dtype (PyTorch's add would broadcast or promote) and a weight a value a column."""
+    residual of x's shape and dtype (PyTorch's add would broadcast or promote) and a weight a value a column;
+    `rms_norm_backward` an eps > 0."""
     with pytest.raises(ValueError, match="fp32"):
         bib.split_log_softmax(torch.zeros(2, 8, dtype=torch.bfloat16))
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
     for weight, residual in [(x[0], x[:1]), (x[0], x.float()), (x[0, :4], None)]:
         with pytest.raises(ValueError, match="rms_norm_rows"):
             bib.rms_norm_rows(x, weight, 1e-6, residual)
+    with pytest.raises(ValueError, match="eps must be > 0"):  # a part tile's dw would be NaN
+        bib.rms_norm_backward(x, x, x[0], 0.0)
 
 
 def test_tempered_logits_never_alias_the_logits():
@@ -201,11 +204,16 @@ def norm_grads(x, w, dy):  # float64 autograd of the reference norm
     x, w = x.double().requires_grad_(), w.double().requires_grad_()
     (norm(x, w) * dy.double()).sum().backward()
     return x.grad, w.grad
-for x_, w_ in ((x, w), (q, w[:128]), (torch.randn(530_000, 8).bfloat16(), w[:8])):  # the last: 2 tiles a program
+k = torch.randn(9, 6 * 128).bfloat16()[:, 128: 3 * 128].view(9, 2, 128)  # heads at an offset in the row
+wide = torch.randn(3, 5120).bfloat16()  # Qwen3-14B/32B's width: a tile is one row of 8,192 columns
+for x_, w_ in ((x, w), (q, w[:128]), (k, w[:128]), (wide, (1 + 0.1 * torch.randn(5120)).bfloat16()),
+               (torch.randn(530_000, 8).bfloat16(), w[:8])):  # the last: 2 tiles a program
     dy = torch.randn(x_.shape).bfloat16()
     (gx, gw), (rx, rw) = bib.rms_norm_backward(dy, x_, w_, 1e-6), norm_grads(x_, w_, dy)
     torch.testing.assert_close(gx.double(), rx, rtol=2**-6, atol=1e-6)
     torch.testing.assert_close(gw.double(), rw, rtol=2**-6, atol=1e-6)
+gx, gw = bib.rms_norm_backward(x[:0], x[:0], w, 1e-6)  # no rows: dw is 0
+assert gx.shape == (0, 2100) and gw.eq(0).all()
 """
     env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", check], env=env, check=True)

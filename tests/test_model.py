@@ -97,6 +97,7 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
     for text, message in [(json.dumps(dict(qwen3_config(), model_type="llama")), "model_type is 'llama'; "),
                           (json.dumps({k: v for k, v in qwen3_config().items() if k != "hidden_size"}), "no hidden_size"),
                           (json.dumps(dict(qwen3_config(), hidden_size="64")), "hidden_size is '64'; it must be a number"),
+                          (json.dumps(dict(qwen3_config(), rms_norm_eps=0)), "rms_norm_eps is 0; it must be a number > 0"),
                           ("[1, 2]", "a JSON object of the model's settings"), ("{not json", "not valid JSON")]:
         config.write_text(text)
         with pytest.raises(simple_rl.UsageError, match=message) as error:
