@@ -437,6 +437,13 @@ class BatchInvariantLinear(torch.autograd.Function):
         return grad_x, grad_w
 
 
+def head_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` (..., D) as the (T, heads, D) rows the RMSNorm kernels read: q/k heads where they lie (a view into
+    the qkv projection's output), other inputs a row a token; columns contiguous."""
+    rows = x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 @triton.jit
 def _rms_norm_rows_kernel(x, x_row_stride, x_head_stride, residual, summed, weight, out, heads, n_cols, eps,
                           BLOCK_SIZE: tl.constexpr, ADD: tl.constexpr):
@@ -485,9 +492,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     if weight.shape != (D,) or not like_x:
         raise ValueError(f"rms_norm_rows: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}, "
                          f"residual {None if residual is None else (tuple(residual.shape), residual.dtype)}")
-    rows = x if x.dim() == 3 else x.reshape(-1, 1, D)  # (T, heads, D): q/k heads, or a row a token
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = head_rows(x)
     weight = weight.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(out) if residual is not None else out
@@ -564,10 +569,7 @@ def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     shape. It replaced PyTorch's fused RMSNorm backward (its norm forward again for r, then two kernels)."""
     if not eps > 0:  # a tile's rows past the last have x = 0: r would be inf there, and dw NaN
         raise ValueError(f"rms_norm_backward: eps must be > 0, not {eps}")
-    D = x.shape[-1]
-    rows_view = x if x.dim() == 3 else x.reshape(-1, 1, D)
-    if rows_view.stride(-1) != 1:
-        rows_view = rows_view.contiguous()
+    D, rows_view = x.shape[-1], head_rows(x)
     grad_out = grad_out.contiguous()
     n_rows, heads = rows_view.shape[0] * rows_view.shape[1], rows_view.shape[1]
     block = triton.next_power_of_2(D)
