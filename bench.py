@@ -501,15 +501,15 @@ def step_benchmark(args) -> dict:
         f"{exact['device']}; median of {args.repeats} x {args.iters} steps (sides run {'ABBA'[:2 * args.repeats]})"
     )
     print(
-        f"  {'':<10}" + "".join(f"{name:>11}" for name in ("generate", "train", "push", "step", "peak GPU"))
+        f"  {'':<10}" + "".join(f"{name:>13}" for name in ("generate", "train", "push", "step", "peak GPU"))
     )
     for name, r in results.items():
         print(
             f"  {name:<10}"
-            + "".join(f"{r[p]:>10.2f}s" for p in (*PHASES, "step"))
-            + f"{r['peak_gib']:>7.1f} GiB"
+            + "".join(f"{r[p]:>12.2f}s" for p in (*PHASES, "step"))
+            + f"{r['peak_gib']:>9.1f} GiB"
         )
-        print(f"  {'':<10}" + "".join(f"{'%.2f-%.2f' % r['spread'][p]:>11}" for p in (*PHASES, "step"))
+        print(f"  {'':<10}" + "".join(f"{'%.2f-%.2f' % r['spread'][p]:>13}" for p in (*PHASES, "step"))
               + "   (its processes' medians)")
     print(
         f"  exact / standard: step {exact['step'] / standard['step']:.3f}x, generate "

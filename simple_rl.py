@@ -1211,6 +1211,26 @@ def check_checkpoint(model_dir: Path, args, source: str = "--model") -> None:
                          "weights: save the checkpoint in bfloat16")
 
 
+def check_training_state(checkpoint: Path) -> None:
+    """--resume: DCP's index of the training state, every file it names as long as it says, parity.json; a
+    checkpoint copied in part fails here, not in `dcp.load` once vLLM has started."""
+    state = checkpoint / "training_state"
+    try:
+        ends = {}
+        for item in dcp.FileSystemReader(state).read_metadata().storage_data.values():
+            ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+        problem = next((f"{name} is cut short: {(state / name).stat().st_size:,} of {end:,} bytes"
+                        for name, end in sorted(ends.items()) if (state / name).stat().st_size < end), None)
+        parity = json.loads((state / "parity.json").read_text())  # what resuming reads of it:
+        lacks = {"stack", "tokens_checked", "mismatched_tokens"} - parity.keys()
+        problem = problem or (lacks and f"parity.json lacks {', '.join(sorted(lacks))}")
+    except Exception as e:  # an index or a file missing or not DCP's, parity.json not JSON
+        problem = f"{type(e).__name__}: {e}".splitlines()[0]
+    if problem:
+        raise UsageError(f"--resume {checkpoint}: its training state is broken ({problem}); resume from an "
+                         "earlier checkpoint")
+
+
 def load_gsm8k(split: str) -> list[dict]:
     """[{question, answer}] of openai/gsm8k 'main' from `datasets` (a local jsonl: `read_gsm8k_jsonl`)."""
     from datasets import load_dataset
@@ -1347,6 +1367,8 @@ def load_inputs(args: Args) -> Inputs:
         raise UsageError(str(e)) from None
     source = "--resume" if args.run.resume else "--model"  # a checkpoint's weights are named as such
     check_checkpoint(model_dir, model_args, source)
+    if args.run.resume:
+        check_training_state(model_dir)
     if args.run.save_every >= 0:
         check_disk(args, model_args)
     try:
@@ -1791,8 +1813,11 @@ class Checkpoints(dcp.FileSystemWriter):
             shutil.rmtree(self.tmp if error else out, ignore_errors=True)
         if error and not quietly:
             causes = [error, *(cause for cause, _ in getattr(error, "failures", {}).values())]
-            disk = next((cause for cause in causes if isinstance(cause, OSError)), None)
-            if disk is None:  # not the disk's
+            disk = next((cause.strerror or cause for cause in causes if isinstance(cause, OSError)), None)
+            free, need = shutil.disk_usage(existing_parent(out)).free, checkpoint_bytes(args, self.model.args)
+            # A disk that fills mid-file is no OSError to torch.save ("unexpected pos": a short write) nor to
+            # safetensors: the disk's too if the checkpoint no longer fits (the partial folder is gone).
+            if disk is None and free >= need:  # not the disk's
                 raise error
             if main and self.tensorboard is not None:  # the steps done keep their certificate
                 record = json.dumps(parity_record(args, self.model, self.totals), indent=2)
@@ -1800,8 +1825,7 @@ class Checkpoints(dcp.FileSystemWriter):
             if main and out.parent.is_dir() and not any(out.parent.iterdir()):
                 out.parent.rmdir()  # the run's first save: nothing of it stays
             last = sorted(out.parent.glob("step_[0-9]*")) if out.parent.exists() else []
-            free, need = shutil.disk_usage(existing_parent(out)).free, checkpoint_bytes(args, self.model.args)
-            raise CheckpointError(f"checkpoint {out} not written ({disk.strerror or disk}): "
+            raise CheckpointError(f"checkpoint {out} not written ({disk or 'disk full'}): "
                                   f"{in_units(free)} free, it takes about {in_units(need)}; the last whole "
                                   f"checkpoint is {last[-1] if last else 'none'}") from None
         if main and not error:  # every rank's part written: renamed into place
