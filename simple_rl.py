@@ -24,6 +24,7 @@ How this GRPO departs from the paper (Shao et al., 2024):
 """
 
 import dataclasses
+import errno
 import gc
 import json
 import math
@@ -1214,21 +1215,25 @@ def check_checkpoint(model_dir: Path, args, source: str = "--model") -> None:
 def check_training_state(checkpoint: Path) -> None:
     """--resume: DCP's index of the training state, every file it names as long as it says, parity.json; a
     checkpoint copied in part fails here, not in `dcp.load` once vLLM has started."""
-    state = checkpoint / "training_state"
+    state, problem = checkpoint / "training_state", None
     try:
         ends = {}
         for item in dcp.FileSystemReader(state).read_metadata().storage_data.values():
             ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
-        problem = next((f"{name} is cut short: {(state / name).stat().st_size:,} of {end:,} bytes"
-                        for name, end in sorted(ends.items()) if (state / name).stat().st_size < end), None)
-        parity = json.loads((state / "parity.json").read_text())  # what resuming reads of it:
-        lacks = {"stack", "tokens_checked", "mismatched_tokens"} - parity.keys()
-        problem = problem or (lacks and f"parity.json lacks {', '.join(sorted(lacks))}")
-    except Exception as e:  # an index or a file missing or not DCP's, parity.json not JSON
+        for name, end in sorted(ends.items()):
+            size = (state / name).stat().st_size if (state / name).is_file() else None
+            if problem is None and (size is None or size < end):
+                cut = "missing" if size is None else f"cut short: {size:,} of {end:,} bytes"
+                problem = f"{name} is {cut}"
+        parity = json.loads((state / "parity.json").read_text())
+        lacks = {"stack", "tokens_checked", "mismatched_tokens"} - set(parity)  # what resuming reads of it
+        if problem is None and lacks:
+            problem = f"parity.json lacks {', '.join(sorted(lacks))}"
+    except Exception as e:  # the index or parity.json missing or unreadable (not DCP's, not JSON, not ours)
         problem = f"{type(e).__name__}: {e}".splitlines()[0]
     if problem:
-        raise UsageError(f"--resume {checkpoint}: its training state is broken ({problem}); resume from an "
-                         "earlier checkpoint")
+        raise UsageError(f"--resume {checkpoint}: its training state is broken ({problem}); copy it again "
+                         "whole, or resume from an earlier checkpoint")
 
 
 def load_gsm8k(split: str) -> list[dict]:
@@ -1317,7 +1322,8 @@ def in_units(n: float) -> str:
 
 
 def checkpoint_bytes(args: Args, model_args) -> int:
-    """16 bytes a parameter (bf16, fp32 master, 2 AdamW moments), 18 with a reference."""
+    """16 bytes a parameter (18 with a reference): the bf16 weights, fp32 master and 2 AdamW moments (14),
+    and a margin for the files' own bytes."""
     return sum(p.numel() for p in meta_qwen3(model_args).parameters()) * (18 if args.loss.kl_coef else 16)
 
 
@@ -1812,20 +1818,23 @@ class Checkpoints(dcp.FileSystemWriter):
         if main:  # the partial folder, or the step_N it replaces
             shutil.rmtree(self.tmp if error else out, ignore_errors=True)
         if error and not quietly:
-            causes = [error, *(cause for cause, _ in getattr(error, "failures", {}).values())]
+            causes = [*(cause for cause, _ in getattr(error, "failures", {}).values()), error]  # ranks' first
             disk = next((cause.strerror or cause for cause in causes if isinstance(cause, OSError)), None)
+            barrier(self.world)  # every rank measures the disk once rank 0 removed the partial folder
             free, need = shutil.disk_usage(existing_parent(out)).free, checkpoint_bytes(args, self.model.args)
             # A disk that fills mid-file is no OSError to torch.save ("unexpected pos": a short write) nor to
-            # safetensors: the disk's too if the checkpoint no longer fits (the partial folder is gone).
+            # safetensors: the disk's too if the checkpoint no longer fits; the line names the error.
             if disk is None and free >= need:  # not the disk's
                 raise error
+            first_line = str(causes[0]).partition("\n")[0]
+            why = disk or f"{type(causes[0]).__name__}: {first_line}"
             if main and self.tensorboard is not None:  # the steps done keep their certificate
                 record = json.dumps(parity_record(args, self.model, self.totals), indent=2)
                 (Path(self.tensorboard.log_dir) / "parity.json").write_text(record)
             if main and out.parent.is_dir() and not any(out.parent.iterdir()):
                 out.parent.rmdir()  # the run's first save: nothing of it stays
             last = sorted(out.parent.glob("step_[0-9]*")) if out.parent.exists() else []
-            raise CheckpointError(f"checkpoint {out} not written ({disk or 'disk full'}): "
+            raise CheckpointError(f"checkpoint {out} not written ({why}): "
                                   f"{in_units(free)} free, it takes about {in_units(need)}; the last whole "
                                   f"checkpoint is {last[-1] if last else 'none'}") from None
         if main and not error:  # every rank's part written: renamed into place
@@ -1892,17 +1901,15 @@ def log_to_file(run_name: str, verbose: bool, world: World) -> None:
     TERMINAL = os.fdopen(terminal, "w", buffering=1)
     sys.excepthook = lambda *exc: [traceback.print_exception(*exc, file=to) for to in (sys.stderr, TERMINAL)]
 
-    def copy() -> None:
-        with open(read, "rb") as pipe, open(path, "a", encoding="utf-8") as log:
+    def copy() -> None:  # unbuffered: on a full disk a line is lost, not a buffer that fails again at close
+        with open(read, "rb") as pipe, open(path, "ab", buffering=0) as log:
             for line in pipe:
-                text = line.decode(errors="replace")
                 try:
-                    log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
-                    log.flush()
+                    log.write(time.strftime("%Y-%m-%d %H:%M:%S ").encode() + line)
                 except OSError:  # a full disk: the pipe is still drained, or stderr's writers would block
                     pass
                 if verbose:
-                    TERMINAL.write(text)
+                    TERMINAL.write(line.decode(errors="replace"))
     thread = threading.Thread(target=copy, daemon=True)
     thread.start()
 
@@ -1910,7 +1917,9 @@ def log_to_file(run_name: str, verbose: bool, world: World) -> None:
         if dist.is_initialized():  # vLLM's group, or torchrun's: else NCCL warns on the terminal as it exits
             dist.destroy_process_group()
         sys.stderr.flush()
-        os.dup2(terminal, 2)
+        late = os.open(path, os.O_WRONLY | os.O_APPEND)  # what comes after (C++ teardown, a thread dying
+        os.dup2(late, 2)  # as the script leaves: TensorBoard's writer on a full disk) goes to the file too
+        os.close(late)
         thread.join(timeout=5)
     atexit.register(close)
 
@@ -2041,12 +2050,23 @@ def find_first_divergence(engine: VLLMEngine, model: Qwen3, tokens: list[int]) -
         return f"not found, the locator failed ({type(e).__name__}: {e})"
 
 
-if __name__ == "__main__":  # the one error boundary: a usage error exits 2, broken parity 1, in one line
+def run_as_script(args: Args, **stand_ins) -> None:
+    """The error boundary, one line: a usage error exits 2; broken parity, a failed save, a full disk 1."""
     try:
-        main(COMMAND_LINE, quiet=True)
+        main(args, quiet=True, **stand_ins)
     except UsageError as e:
         exit_on(e, 2)
     except ParityError as e:
         exit_on(f"bitwise parity broken at {e}", 1)
     except CheckpointError as e:
         exit_on(e, 1)
+    except OSError as e:  # a disk full beneath TensorBoard, the log or a cache (a save's: a CheckpointError)
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        exit_on(f"the disk is full ({e.strerror}{where}); the checkpoints written are whole: free some "
+                "space, then --resume from the last one", 1)
+
+
+if __name__ == "__main__":
+    run_as_script(COMMAND_LINE)
