@@ -1226,7 +1226,7 @@ def check_training_state(checkpoint: Path) -> None:
                 cut = "missing" if size is None else f"cut short: {size:,} of {end:,} bytes"
                 problem = f"{name} is {cut}"
         parity = json.loads((state / "parity.json").read_text())
-        lacks = {"stack", "tokens_checked", "mismatched_tokens"} - set(parity)  # what resuming reads of it
+        lacks = {"stack", "tokens_checked", "mismatched_tokens"} - parity.keys()  # what resuming reads of it
         if problem is None and lacks:
             problem = f"parity.json lacks {', '.join(sorted(lacks))}"
     except Exception as e:  # the index or parity.json missing or unreadable (not DCP's, not JSON, not ours)
@@ -1880,6 +1880,9 @@ def phase(name: str, times: dict, memory: dict):
     times[name] = time.perf_counter() - start
 
 
+DISK_FULL = False  # a run leaving on a full disk: a thread dying as it exits (TensorBoard's) goes unseen
+
+
 def log_to_file(run_name: str, verbose: bool, world: World) -> None:
     """From here on, all that reaches stderr, from Python or C++ (vLLM's log and progress bars, torch's and
     DCP's warnings), goes to runs/<run>/log.txt a line at a time, timestamped (log.rank<r>.txt on other
@@ -1917,9 +1920,7 @@ def log_to_file(run_name: str, verbose: bool, world: World) -> None:
         if dist.is_initialized():  # vLLM's group, or torchrun's: else NCCL warns on the terminal as it exits
             dist.destroy_process_group()
         sys.stderr.flush()
-        late = os.open(path, os.O_WRONLY | os.O_APPEND)  # what comes after (C++ teardown, a thread dying
-        os.dup2(late, 2)  # as the script leaves: TensorBoard's writer on a full disk) goes to the file too
-        os.close(late)
+        os.dup2(os.open(os.devnull, os.O_WRONLY) if DISK_FULL else terminal, 2)  # a crash at exit: shown
         thread.join(timeout=5)
     atexit.register(close)
 
@@ -2063,8 +2064,9 @@ def run_as_script(args: Args, **stand_ins) -> None:
     except OSError as e:  # a disk full beneath TensorBoard, the log or a cache (a save's: a CheckpointError)
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        where = f": {e.filename}" if e.filename else ""
-        exit_on(f"the disk is full ({e.strerror}{where}); the checkpoints written are whole: free some "
+        global DISK_FULL
+        DISK_FULL, where = True, f": {e.filename}" if e.filename else ""
+        exit_on(f"the disk is full ({e.strerror}{where}); any checkpoints written are whole: free some "
                 "space, then --resume from the last one", 1)
 
 
