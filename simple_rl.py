@@ -36,7 +36,7 @@ import sys
 import textwrap
 import time
 import typing
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -1001,7 +1001,7 @@ def grpo(args: Args, engine, model: Qwen3, inputs, order: list[int], writer, wor
             checkpoints.save(step + 1, totals, writer)  # written as the next step runs; the last waited for
     if world.is_main:  # the run's certificate of exactness
         record = json.dumps(parity_record(args, model, totals), indent=2)
-        (Path(writer.log_dir) / "parity.json").write_text(record)
+        write_whole(Path(writer.log_dir) / "parity.json", record)
 
 
 def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool = False) -> Path:
@@ -1739,6 +1739,16 @@ def parity_record(args: Args, model: Qwen3, totals: dict) -> dict:
     return {"stack": stack_versions(), "kernels": kernels, "sampling": asdict(args.sampling), **totals}
 
 
+def write_whole(path: Path, text: str) -> None:
+    """All of `text`, or on a full disk the file as it was: a certificate is never left cut short."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        partial.write_text(text)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 class CheckpointError(Exception):
     """A save that failed (a full disk): one line, exit status 1; the earlier checkpoints stand."""
 
@@ -1828,9 +1838,10 @@ class Checkpoints(dcp.FileSystemWriter):
                 raise error
             first_line = str(causes[0]).partition("\n")[0]
             why = disk or f"{type(causes[0]).__name__}: {first_line}"
-            if main and self.tensorboard is not None:  # the steps done keep their certificate
+            if main and self.tensorboard is not None:  # the steps done keep their certificate, if it fits
                 record = json.dumps(parity_record(args, self.model, self.totals), indent=2)
-                (Path(self.tensorboard.log_dir) / "parity.json").write_text(record)
+                with suppress(OSError):  # else the last one stands, and the line is still this error's
+                    write_whole(Path(self.tensorboard.log_dir) / "parity.json", record)
             if main and out.parent.is_dir() and not any(out.parent.iterdir()):
                 out.parent.rmdir()  # the run's first save: nothing of it stays
             last = sorted(out.parent.glob("step_[0-9]*")) if out.parent.exists() else []
