@@ -36,7 +36,7 @@ import sys
 import textwrap
 import time
 import typing
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -1038,8 +1038,9 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
         grpo(args, engine, model, inputs, order, writer, world)
     finally:  # also on an error: a save under way ends, the failing step's parity scalars reach the disk
         Checkpoints.end_write(quietly=True)
-        if world.is_main:
-            writer.close()
+        if world.is_main:  # on a full disk TensorBoard's last write fails too: not over the run's own error
+            with suppress(OSError) if sys.exc_info()[0] else nullcontext():
+                writer.close()
     return Path("runs") / args.run.run_name
 
 
@@ -1227,8 +1228,7 @@ def check_training_state(checkpoint: Path) -> None:
                 problem = f"{name} is {cut}"
         parity = json.loads((state / "parity.json").read_text())
         lacks = {"stack", "tokens_checked", "mismatched_tokens"} - parity.keys()  # what resuming reads of it
-        if problem is None and lacks:
-            problem = f"parity.json lacks {', '.join(sorted(lacks))}"
+        problem = problem or (f"parity.json lacks {', '.join(sorted(lacks))}" if lacks else None)
     except Exception as e:  # the index or parity.json missing or unreadable (not DCP's, not JSON, not ours)
         problem = f"{type(e).__name__}: {e}".splitlines()[0]
     if problem:

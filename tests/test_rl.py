@@ -492,8 +492,10 @@ def test_the_disk_is_checked_for_the_checkpoints_up_front(tmp_path, monkeypatch,
 def test_a_full_disk_at_a_save_is_one_line_and_keeps_the_run(tmp_path, monkeypatch):
     """The second of three saves hits a full disk: one line naming the checkpoint, the free space against its
     size and the last whole checkpoint; no partial or empty folder; TensorBoard and parity.json hold the steps
-    done. A first save that fails leaves no run folder."""
+    done. A first save that fails leaves no run folder, and its line stands though TensorBoard fails too."""
     import errno
+
+    from torch.utils.tensorboard import SummaryWriter
 
     model_dir = write_gsm8k_model(tmp_path / "model")
     monkeypatch.chdir(tmp_path)
@@ -519,6 +521,12 @@ def test_a_full_disk_at_a_save_is_one_line_and_keeps_the_run(tmp_path, monkeypat
     assert record["tokens_checked"] > 0 and scalar_series(tmp_path / "runs" / "full")["train/loss"][-1][0] == 1
     saves.clear()
     monkeypatch.setattr(simple_rl, "save_file", full_at(1))
+    close = SummaryWriter.close
+
+    def full_close(self):  # TensorBoard's last flush on a full disk (measured on a tmpfs): not over the line
+        close(self)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(SummaryWriter, "close", full_close)
     with pytest.raises(simple_rl.CheckpointError, match="the last whole checkpoint is none"):
         simple_rl.main(dataclasses.replace(args, run=dataclasses.replace(args.run, run_name="first")),
                        device="cpu", engine_class=TrainerAsSampler)
