@@ -153,8 +153,9 @@ def test_triton_kernels_under_tritons_interpreter():
     over rows longer than one block: SwiGLU's backward, lm_head's logprob gradient, the embedding's gradient
     (a token at over 120 positions, others at none), the RMSNorm (of rows, of a bf16 add, of heads read in
     place) and its backward (a program over several tiles in the last case) within one or two bf16 units in
-    the last place (the interpreter rounds to bf16 by truncation); the entropy of logprobs and the split log-softmax, with a top-k cut (-inf), within fp32 rounding; NaN for a
-    row holding a NaN. (tests/test_gpu.py checks the bits of the norm and the log-softmax against vLLM's.)"""
+    the last place (the interpreter rounds to bf16 by truncation); the entropy of logprobs and the split
+    log-softmax, with a top-k cut (-inf), within fp32 rounding; NaN for a row holding a NaN.
+    (tests/test_gpu.py checks the bits of the norm and the log-softmax against vLLM's.)"""
     check = """
 import torch, batch_invariant_backward as bib
 torch.manual_seed(0)
