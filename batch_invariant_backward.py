@@ -115,7 +115,8 @@ def tempered_logits(logits: torch.Tensor, temperature: torch.Tensor | None) -> t
 
 def temperature_tensor(temperature: float, dtype: torch.dtype, device=None) -> torch.Tensor | None:
     """What `tempered_logits` divides by: T as a tensor, or None at T = 1."""
-    return None if temperature == 1 else torch.tensor(temperature, dtype=dtype, device=device)
+    # filled on the device: torch.tensor would copy from the host, which waits for the GPU
+    return None if temperature == 1 else torch.full((), temperature, dtype=dtype, device=device)
 
 
 def truncated(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

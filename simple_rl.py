@@ -854,12 +854,12 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     sums, logprobs = [], []  # per micro-batch, kept on the GPU
     optimizer.zero_grads()
     batches = packed_micro_batches(rollouts.prompts, rollouts.completions, budget, device, world)
-    for i, (idx, batch) in enumerate(batches):
+    # Copied to the GPU before the loop: a copy from host memory waits for the GPU to run all it was given.
+    per_token = [(rollouts.advantages[idx].repeat_interleave(torch.tensor(batch.completion_lens)).to(device),
+                  torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)) for idx, batch in batches]
+    for i, ((idx, batch), (advantages, sampler)) in enumerate(zip(batches, per_token)):
         reduce_gradients_after(model, last=i == len(batches) - 1)  # several GPUs: once a step, if it fits
         policy = model(batch, s.temperature, s.top_k, s.top_p)
-        lens = torch.tensor(batch.completion_lens, device=device)
-        advantages = rollouts.advantages[idx].to(device).repeat_interleave(lens)  # a sample's on each token
-        sampler = torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)
         ref = None if ref_logprobs is None else torch.cat([ref_logprobs[i] for i in idx])
         loss, terms = grpo_loss(policy, sampler, advantages, lengths=batch.completion_lens, ref_logprobs=ref,
                                 n_tokens=n_tokens, cfg=args.loss)
