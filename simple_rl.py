@@ -1894,13 +1894,27 @@ def phase(name: str, times: dict, memory: dict):
 DISK_FULL = False  # a run leaving on a full disk: a thread dying as it exits (TensorBoard's) goes unseen
 
 
+def copy_lines(path: str, verbose: bool) -> None:  # `log_to_file`'s copier, run in a Python of its own
+    import sys, time
+    with open(path, "ab", buffering=0) as log:  # unbuffered: on a full disk a line is lost, not a buffer
+        for line in sys.stdin.buffer:  # to the end: when no process writes to the pipe any more
+            try:  # on a full disk the pipe is still drained, or stderr's writers would block
+                log.write(time.strftime("%Y-%m-%d %H:%M:%S ").encode() + line)
+            except OSError:
+                pass
+            if verbose:
+                print(line.decode(errors="replace"), end="", flush=True)
+
+
 def log_to_file(run_name: str, verbose: bool, world: World) -> None:
     """From here on, all that reaches stderr, from Python or C++ (vLLM's log and progress bars, torch's and
     DCP's warnings), goes to runs/<run>/log.txt a line at a time, timestamped (log.rank<r>.txt on other
     ranks); with `verbose` (or VLLM_LOGGING_LEVEL=INFO) to the terminal too. The script's own lines are on
-    stdout, its errors and any traceback on the terminal's stderr."""
+    stdout, its errors and any traceback on the terminal's stderr; an abort's Python stacks too."""
     import atexit
-    import threading
+    import faulthandler
+    import inspect
+    import subprocess
     import traceback
     global TERMINAL
     verbose = verbose or os.environ.get("VLLM_LOGGING_LEVEL", "").upper() == "INFO"
@@ -1910,29 +1924,24 @@ def log_to_file(run_name: str, verbose: bool, world: World) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stderr.flush()
     terminal, (read, write) = os.dup(2), os.pipe()
+    # A process, not a thread: it outlives an abort of this one (NCCL's watchdog, C++) and logs its reason.
+    code = f"{inspect.getsource(copy_lines)}\ncopy_lines({str(path)!r}, {verbose})"
+    copier = subprocess.Popen([sys.executable, "-c", code], stdin=read, stdout=terminal,
+                              start_new_session=True)  # Ctrl-C: it still copies the last lines
+    os.close(read)
     os.dup2(write, 2)  # fd 2 itself: C++ writes there too
     os.close(write)
     TERMINAL = os.fdopen(terminal, "w", buffering=1)
+    faulthandler.enable(TERMINAL)  # a fatal signal: where each thread was, on the terminal
     sys.excepthook = lambda *exc: [traceback.print_exception(*exc, file=to) for to in (sys.stderr, TERMINAL)]
-
-    def copy() -> None:  # unbuffered: on a full disk a line is lost, not a buffer that fails again at close
-        with open(read, "rb") as pipe, open(path, "ab", buffering=0) as log:
-            for line in pipe:
-                try:
-                    log.write(time.strftime("%Y-%m-%d %H:%M:%S ").encode() + line)
-                except OSError:  # a full disk: the pipe is still drained, or stderr's writers would block
-                    pass
-                if verbose:
-                    TERMINAL.write(line.decode(errors="replace"))
-    thread = threading.Thread(target=copy, daemon=True)
-    thread.start()
 
     def close() -> None:  # at exit: the pipe's last lines reach the file
         if dist.is_initialized():  # vLLM's group, or torchrun's: else NCCL warns on the terminal as it exits
             dist.destroy_process_group()
         sys.stderr.flush()
         os.dup2(os.open(os.devnull, os.O_WRONLY) if DISK_FULL else terminal, 2)  # a crash at exit: shown
-        thread.join(timeout=5)
+        with suppress(subprocess.TimeoutExpired):  # the pipe ends when a child holding it ends too
+            copier.wait(timeout=5)
     atexit.register(close)
 
 
@@ -1977,9 +1986,8 @@ def step_scalars(rollouts: Rollouts, loss_metrics: dict, parity: dict, grad_norm
         "perf/train_tokens_per_s": n_generated / times["train"]}
     scalars |= {f"parity/{k}": v for k, v in parity.items()}
     scalars |= {f"time/{k}": v for k, v in times.items()} | {f"memory/{k}_gib": v for k, v in memory.items()}
-    for layer, (magnitude, relative) in deltas.items():
-        scalars[f"weight_delta/{layer}/magnitude"] = magnitude
-        scalars[f"weight_delta/{layer}/relative_change"] = relative
+    scalars |= {f"weight_delta/{layer}/{name}": value for layer, pair in deltas.items()
+                for name, value in zip(("magnitude", "relative_change"), pair)}
     return scalars
 
 
