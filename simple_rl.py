@@ -1895,13 +1895,11 @@ DISK_FULL = False  # a run leaving on a full disk: a thread dying as it exits (T
 
 
 def copy_lines(path: str, verbose: bool) -> None:  # `log_to_file`'s copier, run in a Python of its own
-    import sys, time
+    import contextlib, sys, time
     with open(path, "ab", buffering=0) as log:  # unbuffered: on a full disk a line is lost, not a buffer
         for line in sys.stdin.buffer:  # to the end: when no process writes to the pipe any more
-            try:  # on a full disk the pipe is still drained, or stderr's writers would block
+            with contextlib.suppress(OSError):  # a full disk: still drain the pipe, or stderr's writers block
                 log.write(time.strftime("%Y-%m-%d %H:%M:%S ").encode() + line)
-            except OSError:
-                pass
             if verbose:
                 print(line.decode(errors="replace"), end="", flush=True)
 
@@ -1913,7 +1911,7 @@ def log_to_file(run_name: str, verbose: bool, world: World) -> None:
     stdout, its errors and any traceback on the terminal's stderr; an abort's Python stacks too."""
     import atexit
     import faulthandler
-    import inspect
+    import marshal
     import subprocess
     import traceback
     global TERMINAL
@@ -1924,8 +1922,10 @@ def log_to_file(run_name: str, verbose: bool, world: World) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stderr.flush()
     terminal, (read, write) = os.dup(2), os.pipe()
-    # A process, not a thread: it outlives an abort of this one (NCCL's watchdog, C++) and logs its reason.
-    code = f"{inspect.getsource(copy_lines)}\ncopy_lines({str(path)!r}, {verbose})"
+    # A process, not a thread, so that it outlives an abort of this one (NCCL's watchdog, C++) to log why;
+    # it runs copy_lines' compiled code, not the file's text, which may have changed since it was read.
+    call = f"types.FunctionType(marshal.loads({marshal.dumps(copy_lines.__code__)!r}), globals())"
+    code = f"import marshal, types; {call}({str(path)!r}, {verbose})"
     copier = subprocess.Popen([sys.executable, "-c", code], stdin=read, stdout=terminal,
                               start_new_session=True)  # Ctrl-C: it still copies the last lines
     os.close(read)
@@ -1933,7 +1933,7 @@ def log_to_file(run_name: str, verbose: bool, world: World) -> None:
     os.close(write)
     TERMINAL = os.fdopen(terminal, "w", buffering=1)
     faulthandler.enable(TERMINAL)  # a fatal signal: where each thread was, on the terminal
-    sys.excepthook = lambda *exc: [traceback.print_exception(*exc, file=to) for to in (sys.stderr, TERMINAL)]
+    sys.excepthook = lambda *exc: [traceback.print_exception(*exc, file=to) for to in (TERMINAL, sys.stderr)]
 
     def close() -> None:  # at exit: the pipe's last lines reach the file
         if dist.is_initialized():  # vLLM's group, or torchrun's: else NCCL warns on the terminal as it exits

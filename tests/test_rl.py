@@ -723,6 +723,28 @@ simple_rl.run_as_script(args, device="cpu", engine_class=Aborting)
     assert "a C++ reason" in (tmp_path / "runs" / "aborted" / "log.txt").read_text()
 
 
+def test_the_log_copier_runs_the_code_imported_even_if_the_file_changed_since(tmp_path):
+    """The copier (a process of its own) is given the compiled code of the imported script: a simple_rl.py
+    edited or checked out after the run started must not take its log, nor the run's stderr, with it."""
+    script = tmp_path / "simple_rl.py"
+    shutil.copy(REPO / "simple_rl.py", script)
+    code = f"""
+import os, sys, pathlib
+sys.path[:0] = [{str(tmp_path)!r}, {str(REPO)!r}]
+import simple_rl
+script = pathlib.Path({str(script)!r})
+script.write_text("# a line added after the import\\n" + script.read_text())
+simple_rl.log_to_file("edited", False, simple_rl.World())
+print("a warning after the edit", file=sys.stderr)
+os.write(2, b"a C++ line after the edit\\n")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                            env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    log = (tmp_path / "runs" / "edited" / "log.txt").read_text()
+    assert "a warning after the edit" in log and "a C++ line after the edit" in log, log
+
+
 def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM
