@@ -671,6 +671,15 @@ def small_run(model_dir, **flags):
                             max_new_tokens=6, max_prompt_tokens=400, max_tokens_per_microbatch=500) | flags)
 
 
+def fresh_python(code: str, cwd: Path, *paths: Path) -> subprocess.CompletedProcess:
+    """`code` run by a Python of its own in `cwd`, its stderr its own, as the script's is (not a torchrun rank);
+    `paths`, then the repository and tests/, importable."""
+    path = [str(p) for p in (*paths, REPO, REPO / "tests")]
+    return subprocess.run([sys.executable, "-c", f"import sys\nsys.path[:0] = {path!r}\n{code}"],
+                          capture_output=True, text=True, cwd=cwd, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
+
+
 @pytest.mark.parametrize("verbose", [False, True])
 def test_others_logs_go_to_the_run_log_not_the_terminal(tmp_path, verbose):
     """The script's run: from the engine's start, what others write to stderr, from Python (a warning) or C++
@@ -678,8 +687,7 @@ def test_others_logs_go_to_the_run_log_not_the_terminal(tmp_path, verbose):
     lines. --verbose shows them live too."""
     model_dir = write_gsm8k_model(tmp_path / "model")
     code = f"""
-import os, sys, warnings
-sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+import os, warnings
 import simple_rl, test_rl
 class Noisy(test_rl.TrainerAsSampler):
     def __init__(self, *args, **kwargs):
@@ -690,8 +698,7 @@ args = test_rl.small_run({str(model_dir)!r}, run_name="quiet", steps=2, eval_eve
                          verbose={verbose})
 simple_rl.main(args, device="cpu", engine_class=Noisy, quiet=True)
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                            env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
+    result = fresh_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "step 1: reward" in result.stdout
     log = (tmp_path / "runs" / "quiet" / "log.txt").read_text()
@@ -706,8 +713,7 @@ def test_an_abort_mid_run_leaves_its_reason_in_the_log_and_its_stacks_on_the_ter
     its own), and the terminal shows where Python was (faulthandler), not nothing."""
     model_dir = write_gsm8k_model(tmp_path / "model")
     code = f"""
-import os, sys
-sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+import os
 import simple_rl, test_rl
 class Aborting(test_rl.TrainerAsSampler):
     def generate(self, *args, **kwargs):
@@ -716,8 +722,7 @@ class Aborting(test_rl.TrainerAsSampler):
 args = test_rl.small_run({str(model_dir)!r}, run_name="aborted", steps=2, eval_every=0, assert_bitwise=False)
 simple_rl.run_as_script(args, device="cpu", engine_class=Aborting)
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                            env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
+    result = fresh_python(code, tmp_path)
     assert result.returncode == -signal.SIGABRT, result.stderr
     assert "Fatal Python error: Aborted" in result.stderr and "in generate" in result.stderr, result.stderr
     assert "a C++ reason" in (tmp_path / "runs" / "aborted" / "log.txt").read_text()
@@ -729,8 +734,7 @@ def test_the_log_copier_runs_the_code_imported_even_if_the_file_changed_since(tm
     script = tmp_path / "simple_rl.py"
     shutil.copy(REPO / "simple_rl.py", script)
     code = f"""
-import os, sys, pathlib
-sys.path[:0] = [{str(tmp_path)!r}, {str(REPO)!r}]
+import os, pathlib
 import simple_rl
 script = pathlib.Path({str(script)!r})
 script.write_text("# a line added after the import\\n" + script.read_text())
@@ -738,8 +742,7 @@ simple_rl.log_to_file("edited", False, simple_rl.World())
 print("a warning after the edit", file=sys.stderr)
 os.write(2, b"a C++ line after the edit\\n")
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                            env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
+    result = fresh_python(code, tmp_path, tmp_path)  # its copy of simple_rl.py first
     assert result.returncode == 0 and result.stderr == "", result.stderr
     log = (tmp_path / "runs" / "edited" / "log.txt").read_text()
     assert "a warning after the edit" in log and "a C++ line after the edit" in log, log
