@@ -672,8 +672,8 @@ def small_run(model_dir, **flags):
 
 
 def fresh_python(code: str, cwd: Path, *paths: Path) -> subprocess.CompletedProcess:
-    """`code` run by a Python of its own in `cwd`, its stderr its own, as the script's is (not a torchrun rank);
-    `paths`, then the repository and tests/, importable."""
+    """`code` run by a Python of its own in `cwd`, its stderr its own, as the script's is (not a torchrun
+    rank); `paths`, then the repository and tests/, importable."""
     path = [str(p) for p in (*paths, REPO, REPO / "tests")]
     return subprocess.run([sys.executable, "-c", f"import sys\nsys.path[:0] = {path!r}\n{code}"],
                           capture_output=True, text=True, cwd=cwd, timeout=300,
