@@ -420,21 +420,38 @@ def embedding_grad(grad_out: torch.Tensor, tokens: torch.Tensor, rows: int) -> t
     return grad
 
 
+def weight_grad(main_grad: torch.Tensor | None, grad_out: torch.Tensor, x: torch.Tensor):
+    """dW = dy^T @ x for a (N, K) weight, dy (..., N), x (..., K). If the weight has an fp32 sum of its
+    gradient (`main_grad`: simple_rl.py's `MasterWeights`, on one GPU), the product is added to it and None
+    returned: cuBLAS sums in fp32 and adds to the sum in the same kernel (as Megatron-LM's gradient
+    accumulation fusion), so no bf16 dW is rounded, written and read again by a separate add. The forward
+    reads `main_grad` off the weight: under activation checkpointing the backward's is a detached copy."""
+    grad_out, x = grad_out.reshape(-1, grad_out.shape[-1]).t(), x.reshape(-1, x.shape[-1])
+    if main_grad is None:
+        return grad_out @ x
+    if grad_out.is_cuda:
+        torch.addmm(main_grad, grad_out, x, out_dtype=main_grad.dtype, out=main_grad)
+    else:  # no bf16 -> fp32 matmul on the CPU; a product of two bf16 is exact in fp32
+        main_grad.addmm_(grad_out.to(main_grad.dtype), x.to(main_grad.dtype))
+    return None
+
+
 class BatchInvariantLinear(torch.autograd.Function):
     """`tiled_linear`: vLLM's Triton persistent matmul (fp32 accumulation in a fixed order whatever the
     number of rows), the op behind every linear layer of vLLM in batch-invariant mode.
-    Backward: dx = dy @ W and dW = dy^T @ x (cuBLAS)."""
+    Backward: dx = dy @ W and dW = dy^T @ x (cuBLAS; `weight_grad`)."""
 
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
+        ctx.main_grad = getattr(weight, "main_grad", None)
         return _linear_forward(x, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        grad_w = grad_out.t() @ x if ctx.needs_input_grad[1] else None
+        grad_w = weight_grad(ctx.main_grad, grad_out, x) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w
 
 
@@ -807,7 +824,7 @@ class LMHeadLogprobs(torch.autograd.Function):
     Backward, per chunk: with p the sampled distribution recomputed from the kept logits (0 outside the
     kept set, whose tokens so get no gradient), dz = (g_lp * (onehot(t) - p) - g_H * p * (log p + H)) / T,
     rounded to bf16; then dh = dz @ W and dW = dz^T @ h, one cuBLAS matmul each over all rows (fp32
-    accumulation, one rounding). The entropy term is skipped when nothing depends on the entropy; then,
+    accumulation; dW `weight_grad`'s). The entropy term is skipped when nothing depends on the entropy; then,
     with nothing truncated (RL's usual case), `logprob_grad` computes dz of all rows in one kernel on CUDA."""
 
     ROWS_PER_CHUNK_TIMES_VOCAB = 2**27  # 0.5 GiB per fp32 temporary
@@ -823,6 +840,7 @@ class LMHeadLogprobs(torch.autograd.Function):
         logprobs, entropy, kept, cut = (torch.cat(parts) for parts in zip(*chunks))
         ctx.save_for_backward(hidden, weight, targets, entropy, logits)
         ctx.temperature, ctx.rows, ctx.top_k, ctx.top_p = temperature, rows, top_k, top_p
+        ctx.main_grad = getattr(weight, "main_grad", None)
         ctx.mark_non_differentiable(kept, cut)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return logprobs, entropy, kept, cut
@@ -834,7 +852,7 @@ class LMHeadLogprobs(torch.autograd.Function):
         g_lp = grad_logprobs if grad_logprobs is not None else hidden.new_zeros(n, dtype=entropy.dtype)
         if logits.is_cuda and grad_entropy is None and not (ctx.top_k or ctx.top_p < 1):
             grad_logits = logprob_grad(logits, targets, g_lp, ctx.temperature)  # RL's usual case: one kernel
-            return grad_logits @ weight, grad_logits.t() @ hidden, None, None, None, None
+            return grad_logits @ weight, weight_grad(ctx.main_grad, grad_logits, hidden), *[None] * 4
         temp = temperature_tensor(ctx.temperature, entropy.dtype, logits.device)
         grad_logits = torch.empty_like(logits)
         for i in range(0, n, ctx.rows):
@@ -850,7 +868,7 @@ class LMHeadLogprobs(torch.autograd.Function):
                         .mul_(-p))
             grad = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
             grad_logits[rows] = grad if temp is None else grad.div_(temp)
-        return grad_logits @ weight, grad_logits.t() @ hidden, None, None, None, None
+        return grad_logits @ weight, weight_grad(ctx.main_grad, grad_logits, hidden), *[None] * 4
 
 
 # ---------------------------------------------------------------------------------------------

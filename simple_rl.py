@@ -723,7 +723,7 @@ def lr_at(step: int, cfg: Optimizer) -> float:
 class MasterWeights:
     """AdamW on fp32 masters of this rank's bf16 parameters (its FSDP2 shards); their bf16 rounding is what
     the trainer and vLLM run. A step's gradients are summed in fp32 on each parameter (`main_grad`, as in
-    Megatron-LM), each bf16 gradient as soon as autograd has it: a micro-batch never holds all of them.
+    Megatron-LM) as each is made (a linear weight's in cuBLAS's matmul, `weight_grad`): never all at once.
     With `offload`, the masters and AdamW's moments (12 bytes a parameter) live in host memory and AdamW
     steps on the CPU, one parameter at a time: only its gradient (4 bytes a parameter) and its new bf16
     weight (2) cross PCIe. The CPU's arithmetic rounds otherwise than the GPU's: another run, as exact."""
@@ -734,11 +734,10 @@ class MasterWeights:
             torch.cuda.empty_cache()  # what training frees between steps can go back to vLLM
         self.masters = [local_part(p).detach().to("cpu" if offload else p.device, torch.float32, copy=True)
                         for _, p in self.named]
-        # fused on the CPU: one pass over a parameter's state, not one per operation
-        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay,
-                                           fused=True if offload else None)
-        for master in self.masters:  # AdamW's state, made now as its first step would make it
-            self.optimizer.state[master] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master),
+        # fused: one pass over a parameter's state, not one per operation
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay, fused=True)
+        for master in self.masters:  # AdamW's state, made now as its first (fused) step would make it
+            self.optimizer.state[master] = {"step": master.new_zeros(()), "exp_avg": torch.zeros_like(master),
                                             "exp_avg_sq": torch.zeros_like(master)}
         for _, p in self.named:
             if not hasattr(p, "main_grad"):  # once per parameter, whichever optimizer comes first
@@ -749,9 +748,10 @@ class MasterWeights:
     @staticmethod
     @torch.no_grad()
     def fold(p: torch.Tensor) -> None:
-        """Add a parameter's bf16 gradient into its fp32 sum, and free it."""
-        p.main_grad.add_(local_part(p.grad))
-        p.grad = None
+        """Add a parameter's bf16 gradient into its fp32 sum, and free it (none: `weight_grad` added it)."""
+        if p.grad is not None:
+            p.main_grad.add_(local_part(p.grad))
+            p.grad = None
 
     def zero_grads(self) -> None:
         """Before a step's first micro-batch: its fp32 sums, made at once, so that they lie together in memory
@@ -762,8 +762,7 @@ class MasterWeights:
     def accumulate_grads(self) -> None:
         """After a micro-batch's backward: the gradients FSDP2 reduce-scattered into the sums."""
         for _, p in self.named:
-            if p.grad is not None:
-                self.fold(p)
+            self.fold(p)
 
     @torch.no_grad()
     def step(self, lr: float, max_grad_norm: float, world: World = World()) -> tuple[float, dict]:
@@ -1443,7 +1442,8 @@ def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int,
     context, asleep = {"CUDA context": CUDA_CONTEXT_BYTES}, {"vLLM asleep": VLLM_ASLEEP_BYTES}
     grads = {"fp32 gradient sums": 4 * shard}
     # bf16 gradients: one at a time (the embedding's the largest), under FSDP2 this rank's shards of them all
-    bf16_grads = 2 * (shard if gpus > 1 and not keep_gathered else model_args.vocab_size * model_args.dim)
+    embedding = model_args.vocab_size * model_args.dim
+    bf16_grads = 2 * (shard if gpus > 1 and not keep_gathered else embedding)
     micro_batch = micro_batch_bytes(model_args, e.max_tokens_per_microbatch, e.activation_checkpointing,
                                     bf16_grads)
     return {
@@ -1452,8 +1452,8 @@ def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int,
         "training": context | asleep | state | fsdp | grads | {
             "activations, bf16 gradients": micro_batch,
             "PyTorch's cache": CACHED_WHILE_TRAINING * micro_batch + CACHED_BESIDE_GRADIENTS * 4 * shard},
-        # foreach AdamW makes one temporary of a moment's size (offloaded, AdamW steps on the CPU)
-        "the optimizer step": context | asleep | state | grads | {"AdamW's temporary": 4 * shard * on_gpu},
+        # fused AdamW makes no temporary; then a weight's change is measured in fp32 copies (the embedding's)
+        "the optimizer step": context | asleep | state | grads | {"a weight's copies": 14 * embedding / gpus},
     }
 
 

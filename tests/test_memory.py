@@ -46,7 +46,7 @@ def test_the_plan_adds_up_what_each_phase_holds():
                                   "PyTorch's cache": simple_rl.CACHED_WHILE_GENERATING * micro_batch}
     assert plan["training"]["fp32 gradient sums"] == 4 * n
     assert plan["training"]["activations, bf16 gradients"] == micro_batch
-    assert plan["the optimizer step"]["AdamW's temporary"] == 4 * n
+    assert plan["the optimizer step"]["a weight's copies"] == 14 * 151936 * 2048  # fused AdamW: no temporary
     offloaded = simple_rl.memory_plan(model_args, flags(offload_optimizer=True), 1, H100)
     assert offloaded["generating"]["fp32 masters"] == offloaded["generating"]["AdamW moments"] == 0
     sharded = simple_rl.memory_plan(model_args, args, 4, H100)
@@ -119,7 +119,7 @@ def test_a_model_that_cannot_fit_is_refused_before_vllm_starts(tmp_path, monkeyp
 
 
 def test_an_offloaded_step_makes_the_same_update(tmp_path):
-    """AdamW on the host (fused, a parameter at a time) and where the weights are (one foreach step) move a
+    """AdamW on the host (a parameter at a time) and where the weights are (one step, fused both) move a
     model's weights alike over two steps: within fp32 rounding of the masters, the same deltas."""
     model_dir = write_checkpoint(tmp_path / "m", qwen3_config(layers=2))
     models = [simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32) for _ in range(2)]
