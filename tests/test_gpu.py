@@ -324,6 +324,28 @@ def test_triton_backwards_round_once_and_reach_past_int32_offsets():
     torch.testing.assert_close(grad[last].double().cpu(), z.grad, rtol=2**-7, atol=1e-9)
 
 
+def test_weight_grad_adds_each_product_to_the_fp32_sum_where_it_lies():
+    """`weight_grad` given a weight's fp32 sum (`MasterWeights.main_grad`, one GPU): cuBLAS adds dy^T @ x of each
+    micro-batch to it in place (its out= is the sum itself), to fp32 rounding of float64 (on the CPU), the
+    same bits on every call, and returns nothing; without a sum, the bf16 product."""
+    from batch_invariant_backward import weight_grad
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dys = [torch.randn(4096, 1024, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
+    xs = [torch.randn(4096, 2048, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
+    sums = []
+    for _ in range(3):
+        main_grad = torch.zeros(1024, 2048, device="cuda")
+        address = main_grad.data_ptr()
+        assert all(weight_grad(main_grad, dy, x) is None for dy, x in zip(dys, xs))
+        assert main_grad.data_ptr() == address
+        sums.append(main_grad)
+    expected = sum(dy.cpu().double().t() @ x.cpu().double() for dy, x in zip(dys, xs))
+    assert relative_error(sums[0].cpu().double(), expected) < 1e-5  # bf16 products rounded: ~1e-3
+    assert torch.equal(sums[0], sums[1]) and torch.equal(sums[0], sums[2])
+    assert weight_grad(None, dys[0], xs[0]).dtype == torch.bfloat16
+
+
 def test_rms_norm_backward_has_the_same_bits_on_every_call():
     """`rms_norm_backward` on the GPU at the 1.7B shape's micro-batch (8,192 tokens of 2,048, and its q heads
     read in place from the q/k/v projection's output): dx and dw within one bf16 unit in the last place of
