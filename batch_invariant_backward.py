@@ -420,13 +420,15 @@ def embedding_grad(grad_out: torch.Tensor, tokens: torch.Tensor, rows: int) -> t
     return grad
 
 
-def weight_grad(main_grad: torch.Tensor | None, grad_out: torch.Tensor, x: torch.Tensor):
+def weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor):
     """dW = dy^T @ x for a (N, K) weight, dy (..., N), x (..., K). If the weight has an fp32 sum of its
     gradient (`main_grad`: simple_rl.py's `MasterWeights`, on one GPU), the product is added to it and None
     returned: cuBLAS sums in fp32 and adds to the sum in the same kernel (as Megatron-LM's gradient
-    accumulation fusion), so no bf16 dW is rounded, written and read again by a separate add. The forward
-    reads `main_grad` off the weight: under activation checkpointing the backward's is a detached copy."""
+    accumulation fusion), so no bf16 dW is rounded, written and read again by a separate add. `weight` is
+    the parameter the forward was given (`ctx.weight`): under activation checkpointing, the saved one comes
+    back to the backward as a detached copy, without `main_grad`."""
     grad_out, x = grad_out.reshape(-1, grad_out.shape[-1]).t(), x.reshape(-1, x.shape[-1])
+    main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
         return grad_out @ x
     if grad_out.is_cuda:
@@ -444,14 +446,14 @@ class BatchInvariantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        ctx.main_grad = getattr(weight, "main_grad", None)
+        ctx.weight = weight  # the parameter, for `weight_grad`
         return _linear_forward(x, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        grad_w = weight_grad(ctx.main_grad, grad_out, x) if ctx.needs_input_grad[1] else None
+        grad_w = weight_grad(ctx.weight, grad_out, x) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w
 
 
@@ -840,7 +842,7 @@ class LMHeadLogprobs(torch.autograd.Function):
         logprobs, entropy, kept, cut = (torch.cat(parts) for parts in zip(*chunks))
         ctx.save_for_backward(hidden, weight, targets, entropy, logits)
         ctx.temperature, ctx.rows, ctx.top_k, ctx.top_p = temperature, rows, top_k, top_p
-        ctx.main_grad = getattr(weight, "main_grad", None)
+        ctx.weight = weight  # the parameter, for `weight_grad`
         ctx.mark_non_differentiable(kept, cut)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return logprobs, entropy, kept, cut
@@ -852,23 +854,24 @@ class LMHeadLogprobs(torch.autograd.Function):
         g_lp = grad_logprobs if grad_logprobs is not None else hidden.new_zeros(n, dtype=entropy.dtype)
         if logits.is_cuda and grad_entropy is None and not (ctx.top_k or ctx.top_p < 1):
             grad_logits = logprob_grad(logits, targets, g_lp, ctx.temperature)  # RL's usual case: one kernel
-            return grad_logits @ weight, weight_grad(ctx.main_grad, grad_logits, hidden), *[None] * 4
-        temp = temperature_tensor(ctx.temperature, entropy.dtype, logits.device)
-        grad_logits = torch.empty_like(logits)
-        for i in range(0, n, ctx.rows):
-            rows = slice(i, i + ctx.rows)
-            x = truncated(tempered_logits(logits[rows], temp), ctx.top_k, ctx.top_p)
-            if grad_entropy is None:
-                grad = torch.softmax(x, dim=-1).mul_(-g_lp[rows, None])  # -p * g_lp
-            else:
-                lp = torch.log_softmax(x, dim=-1)
-                p = lp.exp()
-                lp.masked_fill_(p == 0, 0)  # -inf outside the kept set, where p is 0
-                grad = ((lp + entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(g_lp[rows, None])
-                        .mul_(-p))
-            grad = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
-            grad_logits[rows] = grad if temp is None else grad.div_(temp)
-        return grad_logits @ weight, weight_grad(ctx.main_grad, grad_logits, hidden), *[None] * 4
+        else:
+            temp = temperature_tensor(ctx.temperature, entropy.dtype, logits.device)
+            grad_logits = torch.empty_like(logits)
+            for i in range(0, n, ctx.rows):
+                rows = slice(i, i + ctx.rows)
+                x = truncated(tempered_logits(logits[rows], temp), ctx.top_k, ctx.top_p)
+                if grad_entropy is None:
+                    grad = torch.softmax(x, dim=-1).mul_(-g_lp[rows, None])  # -p * g_lp
+                else:
+                    lp = torch.log_softmax(x, dim=-1)
+                    p = lp.exp()
+                    lp.masked_fill_(p == 0, 0)  # -inf outside the kept set, where p is 0
+                    grad = ((lp + entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(g_lp[rows, None])
+                            .mul_(-p))
+                grad = grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
+                grad_logits[rows] = grad if temp is None else grad.div_(temp)
+        grad_weight = weight_grad(ctx.weight, grad_logits, hidden) if ctx.needs_input_grad[1] else None
+        return grad_logits @ weight, grad_weight, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------

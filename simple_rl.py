@@ -723,7 +723,7 @@ def lr_at(step: int, cfg: Optimizer) -> float:
 class MasterWeights:
     """AdamW on fp32 masters of this rank's bf16 parameters (its FSDP2 shards); their bf16 rounding is what
     the trainer and vLLM run. A step's gradients are summed in fp32 on each parameter (`main_grad`, as in
-    Megatron-LM) as each is made (a linear weight's in cuBLAS's matmul, `weight_grad`): never all at once.
+    Megatron-LM) as each is made (one GPU: a linear weight's in its matmul, `weight_grad`): never all at once.
     With `offload`, the masters and AdamW's moments (12 bytes a parameter) live in host memory and AdamW
     steps on the CPU, one parameter at a time: only its gradient (4 bytes a parameter) and its new bf16
     weight (2) cross PCIe. The CPU's arithmetic rounds otherwise than the GPU's: another run, as exact."""
@@ -1442,7 +1442,7 @@ def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int,
     context, asleep = {"CUDA context": CUDA_CONTEXT_BYTES}, {"vLLM asleep": VLLM_ASLEEP_BYTES}
     grads = {"fp32 gradient sums": 4 * shard}
     # bf16 gradients: one at a time (the embedding's the largest), under FSDP2 this rank's shards of them all
-    embedding = model_args.vocab_size * model_args.dim
+    embedding, offloaded = model_args.vocab_size * model_args.dim, (1 - on_gpu) / gpus  # the largest weight
     bf16_grads = 2 * (shard if gpus > 1 and not keep_gathered else embedding)
     micro_batch = micro_batch_bytes(model_args, e.max_tokens_per_microbatch, e.activation_checkpointing,
                                     bf16_grads)
@@ -1452,8 +1452,8 @@ def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int,
         "training": context | asleep | state | fsdp | grads | {
             "activations, bf16 gradients": micro_batch,
             "PyTorch's cache": CACHED_WHILE_TRAINING * micro_batch + CACHED_BESIDE_GRADIENTS * 4 * shard},
-        # fused AdamW makes no temporary; then a weight's change is measured in fp32 copies (the embedding's)
-        "the optimizer step": context | asleep | state | grads | {"a weight's copies": 14 * embedding / gpus},
+        # fused AdamW: no temporary; offloaded, a weight's copies that measure its change lie beside the sums
+        "the optimizer step": context | asleep | state | grads | {"fp32 copies": 14 * embedding * offloaded},
     }
 
 

@@ -333,17 +333,18 @@ def test_weight_grad_adds_each_product_to_the_fp32_sum_where_it_lies():
     g = torch.Generator(device="cuda").manual_seed(0)
     dys = [torch.randn(4096, 1024, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
     xs = [torch.randn(4096, 2048, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
-    sums = []
+    weight, sums = torch.empty(1024, 2048, device="cuda", dtype=torch.bfloat16), []
     for _ in range(3):
-        main_grad = torch.zeros(1024, 2048, device="cuda")
-        address = main_grad.data_ptr()
-        assert all(weight_grad(main_grad, dy, x) is None for dy, x in zip(dys, xs))
-        assert main_grad.data_ptr() == address
-        sums.append(main_grad)
+        weight.main_grad = torch.zeros(1024, 2048, device="cuda")
+        address = weight.main_grad.data_ptr()
+        assert all(weight_grad(weight, dy, x) is None for dy, x in zip(dys, xs))
+        assert weight.main_grad.data_ptr() == address
+        sums.append(weight.main_grad)
     expected = sum(dy.cpu().double().t() @ x.cpu().double() for dy, x in zip(dys, xs))
     assert relative_error(sums[0].cpu().double(), expected) < 1e-5  # bf16 products rounded: ~1e-3
     assert torch.equal(sums[0], sums[1]) and torch.equal(sums[0], sums[2])
-    assert weight_grad(None, dys[0], xs[0]).dtype == torch.bfloat16
+    weight.main_grad = None
+    assert weight_grad(weight, dys[0], xs[0]).dtype == torch.bfloat16
 
 
 def test_rms_norm_backward_has_the_same_bits_on_every_call():

@@ -212,7 +212,7 @@ def test_a_save_copies_the_gpu_state_and_adamw_goes_on_beneath_its_write(tmp_pat
     args = simple_rl.Args(run=simple_rl.Run(run_name="r", output_dir=str(tmp_path / "checkpoints"), keep_last=0))
     checkpoints = simple_rl.Checkpoints(model, optimizer, None, SimpleNamespace(model_dir=model_dir), args)
     adam_step(optimizer, 0)
-    # copied: .cpu() returns a host tensor itself (AdamW's step counts), which the next step changes
+    # copied: .cpu() returns a host tensor itself, which the next step would change
     state = {k: v.to("cpu", copy=True) for k, v in flat_tensors(simple_rl.training_state(optimizer, None)).items()}
     weights = {name: w.cpu() for name, w in simple_rl.hf_weights(model)}
     release, write_data = threading.Event(), simple_rl.Checkpoints.write_data
