@@ -325,9 +325,9 @@ def test_triton_backwards_round_once_and_reach_past_int32_offsets():
 
 
 def test_weight_grad_adds_each_product_to_the_fp32_sum_where_it_lies():
-    """`weight_grad` given a weight's fp32 sum (`MasterWeights.main_grad`, one GPU): cuBLAS adds dy^T @ x of each
-    micro-batch to it in place (its out= is the sum itself), to fp32 rounding of float64 (on the CPU), the
-    same bits on every call, and returns nothing; without a sum, the bf16 product."""
+    """`weight_grad` given a weight's fp32 sum (`MasterWeights.main_grad`, one GPU): cuBLAS adds dy^T @ x of
+    each micro-batch to it in place (its out= is the sum itself), to fp32 rounding of float64 (on the CPU),
+    the same bits on every call, and returns nothing; without a sum, the bf16 product."""
     from batch_invariant_backward import weight_grad
 
     g = torch.Generator(device="cuda").manual_seed(0)
