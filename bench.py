@@ -917,9 +917,9 @@ DECODE_SIDES = ("decode-standard", "decode-exact-vllm-tiles", "decode-exact")
 
 def decode_side(side: str, args) -> dict:
     """Milliseconds per decode step of one engine (random weights of --shape): `standard` is vLLM's
-    defaults (torch.compile and CUDA graphs) sampling from its own generator; the exact sides are
-    simple_rl.VLLMEngine (batch-invariant, CUDA graphs, a seed per request), with vLLM's tiles or
-    tiled_linear's. A step's time is that of 16 + 512 new tokens less that of 16, over 512 steps (the
+    defaults (torch.compile and CUDA graphs) sampling from its own generator, the sampled tokens' logprobs
+    in vLLM's lists; the exact sides are simple_rl.VLLMEngine.generate (batch-invariant, CUDA graphs, a seed
+    per request, the logprobs kept on the GPU), with vLLM's tiles or tiled_linear's. A step's time is that of 16 + 512 new tokens less that of 16, over 512 steps (the
     median of 3 such pairs)."""
     from vllm import SamplingParams, TokensPrompt
 
@@ -937,21 +937,21 @@ def decode_side(side: str, args) -> dict:
             from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
 
             batch_invariant_backward.tiled_linear = linear_batch_invariant
-        llm = simple_rl.VLLMEngine(directory, seed=0, sleep_mode=False, **common).llm
+        engine = simple_rl.VLLMEngine(directory, seed=0, sleep_mode=False, **common)
     g = torch.Generator().manual_seed(0)
     out = {}
     for n in (32, 256):
-        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 151936, (128,), generator=g).tolist())
-                   for _ in range(n)]
+        prompts = [torch.randint(0, 151936, (128,), generator=g).tolist() for _ in range(n)]
 
         def generate(tokens: int) -> float:
-            params = [SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=0,
-                                     flat_logprobs=True, detokenize=False,
-                                     seed=None if side == "decode-standard" else i)
-                      for i in range(n)]
             start = time.perf_counter()
-            with gc_off():  # both sides as simple_rl.VLLMEngine.generate runs
-                llm.generate(prompts, params, use_tqdm=False)
+            if side != "decode-standard":  # as simple_rl.py generates: its logprobs kept on the GPU
+                engine.generate(prompts, [tokens] * n, 1.0, seeds=list(range(n)), ignore_eos=True)
+                return time.perf_counter() - start
+            params = [SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=0,
+                                     flat_logprobs=True, detokenize=False) for _ in range(n)]
+            with gc_off():  # as simple_rl.VLLMEngine.generate runs
+                llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             return time.perf_counter() - start
 
         generate(16)

@@ -255,8 +255,9 @@ import torch.utils.checkpoint  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
-    CUDA_GRAPHS, EXACT, Kernels, _num_sms, check_bitwise_head_dim, first_divergence, install_exact_kernels,
-    matmul_tiles, micro_batch_bytes, qwen3_gemms, rope_cos_sin_cache, trainer_trace, vllm_trace)
+    CUDA_GRAPHS, EXACT, SAMPLED, Kernels, _num_sms, check_bitwise_head_dim, first_divergence,
+    install_exact_kernels, matmul_tiles, micro_batch_bytes, qwen3_gemms, rope_cos_sin_cache, trainer_trace,
+    vllm_trace)
 
 
 # ===== The processes: one, or torchrun's =====
@@ -593,7 +594,8 @@ class VLLMEngine:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # quiet; =INFO brings vLLM's log back
         import vllm
-        if os.environ.get("VLLM_BATCH_INVARIANT") == "1":
+        self.exact = os.environ.get("VLLM_BATCH_INVARIANT") == "1"
+        if self.exact:
             install_exact_kernels()
         graphs = {"compilation_config": CUDA_GRAPHS} if cuda_graphs else {"enforce_eager": True}
         self.llm = vllm.LLM(
@@ -610,20 +612,25 @@ class VLLMEngine:
                  stop_token_ids=(), ignore_eos: bool = False, top_k: int = 0, top_p: float = 1.0):
         """One completion per prompt: token ids, and the fp32 logprob of each (temperature 0: greedy)."""
         from vllm import SamplingParams, TokensPrompt
+        # The sampled tokens' logprobs: kept on the GPU by the exact sampler (SAMPLED), else vLLM's own lists.
+        recorded = self.exact and temperature > 0
         params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=n, seed=s,
-                                 logprobs=0, flat_logprobs=True,  # the sampled token's, in one list a request
-                                 detokenize=False, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+                                 logprobs=None if recorded else 0, flat_logprobs=True, detokenize=False,
+                                 stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
                   for n, s in zip(max_tokens, seeds)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         collecting = gc.isenabled()  # vLLM's host work bounds a decode step: GC passes on its objects add ~5%
         gc.disable()
         try:
-            samples = [out.outputs[0] for out in self.llm.generate(prompts, params, use_tqdm=False)]
+            with SAMPLED.recording(seeds, max(max_tokens, default=0), "cuda") if recorded else nullcontext():
+                samples = [out.outputs[0] for out in self.llm.generate(prompts, params, use_tqdm=False)]
+                completions = [list(s.token_ids) for s in samples]
+                logprobs = SAMPLED.read(completions) if recorded else [  # a Python float holds fp32 exactly
+                    torch.tensor(s.logprobs.logprobs, dtype=torch.float32) for s in samples]
         finally:
             if collecting:
                 gc.enable()
-        return ([list(s.token_ids) for s in samples],  # a Python float holds fp32 exactly
-                [torch.tensor(s.logprobs.logprobs, dtype=torch.float32) for s in samples])
+        return completions, logprobs
 
     def sleep(self) -> None:
         self.llm.sleep(level=2)  # discards the weights, not copied to the host: the trainer pushes new ones

@@ -160,6 +160,31 @@ def test_every_sampled_token_logprob_is_bitwise_vllms(served):
         assert torch.equal(alone.view(torch.int32), vllm_lps[i].view(torch.int32))
 
 
+def test_logprobs_kept_on_the_gpu_are_those_vllm_returns(served):
+    """simple_rl.py takes the sampled tokens' logprobs off the GPU as the sampler draws them (`SAMPLED`), not
+    from vLLM's per-request lists: the same requests through vLLM's own path (`logprobs=0`) give the same tokens
+    and the same bits. 300 requests, prompts of 20-700 tokens (chunked prefill: draws discarded and drawn
+    again), up to 256 new tokens, T = 0.7 with top-k/p, a stop token in 500 (async scheduling draws once
+    past a stop)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    engine, model, config, name, _ = served
+    g, n, vocab = torch.Generator().manual_seed(41), 300, config["vocab_size"]
+    prompts = [torch.randint(0, vocab, (int(length),), generator=g).tolist()
+               for length in torch.randint(20, 701, (n,), generator=g)]
+    stops, seeds = torch.randperm(vocab, generator=g)[: vocab // 500].tolist(), [41_000 + i for i in range(n)]
+    settings = dict(temperature=0.7, top_k=20, top_p=0.95, stop_token_ids=stops)
+    completions, kept = engine.generate(prompts, [256] * n, seeds=seeds, **settings)
+    params = [SamplingParams(max_tokens=256, seed=s, logprobs=0, flat_logprobs=True, detokenize=False, **settings)
+              for s in seeds]
+    outs = [o.outputs[0] for o in engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                                      use_tqdm=False)]
+    lengths = [len(c) for c in completions]
+    print(f"\n[{name}] {sum(lengths)} tokens; {sum(x < 256 for x in lengths)} of {n} completions stopped early")
+    assert [list(o.token_ids) for o in outs] == completions and 0 < sum(x < 256 for x in lengths) < n
+    assert count_mismatches(kept, [torch.tensor(o.logprobs.logprobs, dtype=torch.float32) for o in outs]) == 0
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_logprobs_are_bitwise_vllms_at_other_temperatures(served, temperature):
     """vLLM samples from softmax(z / T) and returns that distribution's logprobs (processed logprobs);

@@ -223,6 +223,66 @@ def test_seeded_sampler_keys_each_row_by_its_requests_seed_and_draw(monkeypatch)
     assert len(calls) == n_calls and mixed.shape == (6,)
 
 
+def test_the_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and_draw_say(monkeypatch):
+    """`SAMPLED`, fed by vLLM 0.20's own `Sampler` (its CUDA path, run here on the CPU with a keyed Gumbel-max in
+    place of its Triton kernel, at T = 0.7: top-k/p's kernel is Triton too): each step's rows, in whatever order and number, land in their request's row at
+    their draw's column, with the very fp32 logprob vLLM's own `logprobs=0` path gathers; a discarded draw is
+    rewritten by the next; a draw past the end goes to the spare column; `read` refuses tokens it did not see."""
+    from vllm.v1.sample import sampler as vllm_sampler
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.worker.gpu.sample import gumbel
+
+    from batch_invariant_backward import SAMPLED, install_exact_kernels
+
+    def keyed_gumbel_max(logits, rows, temperature, seed, pos, apply_temperature):
+        noise = torch.stack([torch.rand(logits.shape[1], generator=torch.Generator().manual_seed(
+            hash((s, p)) % 2**63)) for s, p in zip(seed.tolist(), pos.tolist())])
+        return (logits - noise.log().neg().log()).argmax(-1)
+
+    monkeypatch.setattr(gumbel, "gumbel_sample", keyed_gumbel_max)
+    install_exact_kernels()
+    sampler = vllm_sampler.Sampler("processed_logprobs")
+    sampler.topk_topp_sampler.forward = sampler.topk_topp_sampler.forward_native  # as on CUDA
+    seeds, vocab = [11, 2**64 - 3, 5, 40, 7], 64
+    gens = {seed: CudaGenerator(seed) for seed in seeds}
+
+    def step(requests: list[int]):  # one step of these requests (indices into seeds), vLLM's sampler's way
+        n = len(requests)
+        meta = SamplingMetadata(
+            temperature=torch.full((n,), 0.7), all_greedy=False, all_random=True, top_p=None, top_k=None,
+            generators={row: gens[seeds[r]] for row, r in enumerate(requests)},
+            max_num_logprobs=0, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(n),
+            presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n), output_token_ids=[[]] * n,
+            allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+        out = sampler(torch.randn(n, vocab, generator=g), meta)
+        return out.sampled_token_ids[:, 0].tolist(), out.logprobs_tensors.logprobs[:, 0]  # vLLM's own
+
+    g = torch.Generator().manual_seed(0)
+    expected = {r: [] for r in range(5)}  # per request: (token, vLLM's logprob) of each kept draw
+    with SAMPLED.recording(seeds, 3, "cpu"):
+        for requests in ([0, 1, 2, 3, 4], [3, 1, 0], [4, 2], [1, 0]):
+            tokens, logprobs = step(requests)
+            for r, t, lp in zip(requests, tokens, logprobs):
+                expected[r].append((t, lp))
+        gens[seeds[2]].set_offset(gens[seeds[2]].get_offset() - 4)  # vLLM discards request 2's last draw
+        expected[2].pop()
+        for requests in ([2, 4], [4], [4]):  # request 4's fourth and fifth draws go to the spare column
+            tokens, logprobs = step(requests)
+            for r, t, lp in zip(requests, tokens, logprobs):
+                expected[r].append((t, lp))
+        completions = [[t for t, _ in expected[r]][:3] for r in range(5)]
+        recorded = SAMPLED.read(completions)
+        assert [len(x) for x in recorded] == [3, 3, 2, 2, 3]
+        for r in range(5):
+            vllms = torch.stack([lp for _, lp in expected[r]][:3])
+            assert torch.equal(recorded[r].view(torch.int32), vllms.view(torch.int32))
+        with pytest.raises(RuntimeError, match="request 3: vLLM's tokens are not those its sampler drew"):
+            SAMPLED.read(completions[:3] + [[completions[3][0] + 1]] + completions[4:])
+    assert SAMPLED.tokens is None
+    step([0, 1])  # not recording: nothing kept, nothing fails
+
+
 def test_matmul_tiles_fit_in_shared_memory_and_spread_over_the_sms():
     """The tiles tiled_linear picks (their bits are checked on the GPU) for every GEMM of every Qwen3 size,
     at 1 to 32k rows: a tile is a power of 2 of 16 to 256 on a side, its pipeline stages fit an H100 SM's
