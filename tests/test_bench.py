@@ -1,5 +1,5 @@
 """bench.py's arithmetic on the CPU (its runs need a GPU): a side's medians and spread over its processes,
-and the ratio line's word when the sides' spreads overlap."""
+the ratio line's word when the sides' spreads overlap, the decode table's ratios."""
 
 from types import SimpleNamespace
 
@@ -103,3 +103,23 @@ def test_the_profile_tables_rank_kernels_by_gpu_time():
     lines = table.splitlines()
     assert len(lines) == 3 and lines[1].split() == ["matmul", "20", "3.0000", "75.0%"]
     assert lines[2].split() == ["norm", "10", "1.0000", "25.0%"]
+
+
+def test_the_decode_table_gives_the_ratio_of_whichever_exact_sides_ran(monkeypatch, capsys):
+    """`--decode decode-exact decode-standard` (the two sides the acceptance compares) prints exact / standard;
+    with all three sides, vLLM's tiles too. Each side's process is replaced by its JSON (ms at 32 / 256)."""
+    import json
+
+    ms = {"decode-standard": (3.0, 8.0), "decode-exact": (3.6, 10.0), "decode-exact-vllm-tiles": (4.5, 12.0)}
+
+    def side(cmd, env, check):  # the side's process: its JSON
+        times = ms[cmd[cmd.index("--side") + 1]]
+        bench.Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(dict(zip((32, 256), times))))
+    monkeypatch.setattr(bench.subprocess, "run", side)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda: "H200")
+    args = SimpleNamespace(shape="1.7b", layers=None, vllm_gpu_memory=0.5, profile=False)
+    bench.decode_benchmark(SimpleNamespace(**vars(args), decode=["decode-exact", "decode-standard"]))
+    out = capsys.readouterr().out
+    assert "exact / standard at 32: 1.20x\n" in out and "exact / standard at 256: 1.25x\n" in out
+    bench.decode_benchmark(SimpleNamespace(**vars(args), decode=None))
+    assert "exact / standard at 256: 1.25x (with vLLM's tiles: 1.50x)" in capsys.readouterr().out
