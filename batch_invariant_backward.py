@@ -994,32 +994,38 @@ class SampledLogprobs:
     `Sampler.sample` (wrapped by `install_exact_kernels`) the tokens drawn and the logprobs."""
 
     def __init__(self):
-        self.tokens = self.keys = None  # tokens: (requests, draws + 1) while recording
+        self.seeds = self.rows = self.tokens = self.logprobs = self.keys = None  # set while recording
 
     @contextmanager
     def recording(self, seeds: list[int], draws: int, device):
-        assert len(set(seeds)) == len(seeds), "one seed per request: a seed names its row"
+        if len(set(seeds)) != len(seeds):
+            raise ValueError("recording needs one seed per request: a seed names its row")
         bits = torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds], dtype=torch.int64)
         self.seeds, self.rows = (t.to(device) for t in bits.sort())
-        # A column more: with async scheduling, vLLM may draw once more for a request its stop token ended.
-        self.tokens = torch.full((len(seeds), draws + 1), -1, dtype=torch.int64, device=device)
-        self.logprobs = torch.full((len(seeds), draws + 1), float("nan"), device=device)
+        # A row more, for a draw whose seed is not among `seeds` (a request left in the engine): `read`
+        # refuses. A column more, where a draw past `draws` would land, not past the end (vLLM 0.20 schedules
+        # none: scheduler.py stops a request at its max_tokens, even one step ahead).
+        self.tokens = torch.full((len(seeds) + 1, draws + 1), -1, dtype=torch.int64, device=device)
+        self.logprobs = torch.full((len(seeds) + 1, draws + 1), float("nan"), device=device)
         try:
             yield self
         finally:
-            self.tokens = self.keys = None
+            self.seeds = self.rows = self.tokens = self.logprobs = self.keys = None
 
     def drew(self, keys: torch.Tensor) -> None:  # (2, rows) int64: each row's seed and its draws before
         self.keys = None if self.tokens is None else keys
 
-    def record(self, sampled: torch.Tensor, logprobs: torch.Tensor) -> None:
+    def record(self, sampled: torch.Tensor, logprobs: torch.Tensor | None) -> None:
         """A step's tokens (rows,) and processed logprobs (rows, V); a draw vLLM discards (a prompt's chunk
         before its last) is rewritten by the next, which has the same count."""
         if self.tokens is None:
             return
         keys, self.keys = self.keys, None
-        assert keys is not None and len(keys[0]) == len(sampled), "a request without a seed"
-        rows = self.rows[torch.searchsorted(self.seeds, keys[0]).clamp(max=len(self.rows) - 1)]
+        if keys is None or logprobs is None or len(keys[0]) != len(sampled):
+            raise RuntimeError("SAMPLED records seeded requests of an engine with logprobs_mode="
+                               "'processed_logprobs' whose sampler is seeded_random_sample")
+        at = torch.searchsorted(self.seeds, keys[0]).clamp(max=len(self.seeds) - 1)
+        rows = torch.where(self.seeds[at] == keys[0], self.rows[at], len(self.seeds))  # else the spare row
         columns = keys[1].clamp(max=self.tokens.shape[1] - 1)
         self.tokens[rows, columns] = sampled.long()
         self.logprobs[rows, columns] = logprobs.gather(1, sampled.long()[:, None])[:, 0]
@@ -1027,6 +1033,8 @@ class SampledLogprobs:
     def read(self, completions: list[list[int]]) -> list[torch.Tensor]:
         """Each completion's logprobs (fp32, CPU), once its tokens are checked against those recorded."""
         tokens, logprobs = self.tokens.cpu(), self.logprobs.cpu()
+        if (tokens[-1] != -1).any():
+            raise RuntimeError("vLLM's sampler drew for a request with a seed not being recorded")
         for row, completion in enumerate(completions):
             if tokens[row, : len(completion)].tolist() != completion:
                 raise RuntimeError(f"request {row}: vLLM's tokens are not those its sampler drew")
@@ -1071,11 +1079,12 @@ def install_exact_kernels() -> None:
     if getattr(vllm_sample, "__module__", None) == topk_topp_sampler.__name__:  # not installed yet
         topk_topp_sampler.random_sample = functools.partial(seeded_random_sample, unseeded=vllm_sample)
     vllm_sampler_sample = Sampler.sample
-    if vllm_sampler_sample.__module__ == Sampler.__module__:
+    if vllm_sampler_sample.__module__ == Sampler.__module__:  # not installed yet
 
         def sample(self, logits, sampling_metadata, logprobs_mode_override=None):
             sampled, logprobs = vllm_sampler_sample(self, logits, sampling_metadata, logprobs_mode_override)
-            SAMPLED.record(sampled, logprobs)
+            processed = (logprobs_mode_override or self.logprobs_mode) == "processed_logprobs"
+            SAMPLED.record(sampled, logprobs if processed else None)  # of the distribution sampled from
             return sampled, logprobs
         Sampler.sample = sample
 

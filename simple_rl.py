@@ -613,7 +613,7 @@ class VLLMEngine:
         """One completion per prompt: token ids, and the fp32 logprob of each (temperature 0: greedy)."""
         from vllm import SamplingParams, TokensPrompt
         # The sampled tokens' logprobs: kept on the GPU by the exact sampler (SAMPLED), else vLLM's own lists.
-        recorded = self.exact and temperature > 0
+        recorded = self.exact and temperature >= 1e-5  # vLLM samples greedily below (its _SAMPLING_EPS)
         params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=n, seed=s,
                                  logprobs=None if recorded else 0, flat_logprobs=True, detokenize=False,
                                  stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)

@@ -225,9 +225,11 @@ def test_seeded_sampler_keys_each_row_by_its_requests_seed_and_draw(monkeypatch)
 
 def test_the_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and_draw_say(monkeypatch):
     """`SAMPLED`, fed by vLLM 0.20's own `Sampler` (its CUDA path, run here on the CPU with a keyed Gumbel-max in
-    place of its Triton kernel, at T = 0.7: top-k/p's kernel is Triton too): each step's rows, in whatever order and number, land in their request's row at
-    their draw's column, with the very fp32 logprob vLLM's own `logprobs=0` path gathers; a discarded draw is
-    rewritten by the next; a draw past the end goes to the spare column; `read` refuses tokens it did not see."""
+    place of its Triton kernel, at T = 0.7: top-k/p's kernel is Triton too): each step's rows, in whatever order
+    and number, land in their request's row at their draw's column, with the very fp32 logprob vLLM's own
+    `logprobs=0` path gathers; a discarded draw is rewritten by the next; a draw past the end goes to the spare
+    column. Refused: tokens it did not see, a request with another seed, a sampler of other logprobs, two
+    requests with one seed."""
     from vllm.v1.sample import sampler as vllm_sampler
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -247,7 +249,7 @@ def test_the_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and_draw_
     seeds, vocab = [11, 2**64 - 3, 5, 40, 7], 64
     gens = {seed: CudaGenerator(seed) for seed in seeds}
 
-    def step(requests: list[int]):  # one step of these requests (indices into seeds), vLLM's sampler's way
+    def step(requests: list[int], sampler=sampler):  # one step of these requests (indices into seeds)
         n = len(requests)
         meta = SamplingMetadata(
             temperature=torch.full((n,), 0.7), all_greedy=False, all_random=True, top_p=None, top_k=None,
@@ -281,6 +283,16 @@ def test_the_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and_draw_
             SAMPLED.read(completions[:3] + [[completions[3][0] + 1]] + completions[4:])
     assert SAMPLED.tokens is None
     step([0, 1])  # not recording: nothing kept, nothing fails
+    with SAMPLED.recording(seeds[:4], 3, "cpu"):
+        step([0, 4, 1])  # request 4's seed is not recorded
+        with pytest.raises(RuntimeError, match="a request with a seed not being recorded"):
+            SAMPLED.read([[], [], [], []])
+    raw = vllm_sampler.Sampler("raw_logprobs")
+    raw.topk_topp_sampler.forward = raw.topk_topp_sampler.forward_native
+    with SAMPLED.recording(seeds, 3, "cpu"), pytest.raises(RuntimeError, match="logprobs_mode='processed_logprobs'"):
+        step([0, 1], raw)
+    with pytest.raises(ValueError, match="one seed per request"), SAMPLED.recording([3, 4, 3], 3, "cpu"):
+        pass
 
 
 def test_matmul_tiles_fit_in_shared_memory_and_spread_over_the_sms():
