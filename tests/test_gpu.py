@@ -185,6 +185,35 @@ def test_logprobs_kept_on_the_gpu_are_those_vllm_returns(served):
     assert count_mismatches(kept, [torch.tensor(o.logprobs.logprobs, dtype=torch.float32) for o in outs]) == 0
 
 
+def test_logprobs_kept_on_the_gpu_survive_preemption(tmp_path):
+    """A KV cache of about 3,500 tokens for 64 requests of up to 656: vLLM preempts requests and recomputes
+    them (each keeps its generator; the recompute's draws before its last chunk are discarded and rewound).
+    The logprobs kept on the GPU are still vLLM's own path's and the trainer's, bit for bit."""
+    from vllm import SamplingParams, TokensPrompt
+
+    ckpt = write_checkpoint(tmp_path, TINY, seed=3, device="cuda")
+    engine = start_engine(ckpt, 0.05, max_model_len=1024, seed=0, sleep_mode=False, kv_cache_gib=0.01)
+    scheduler, preempted = engine.llm.llm_engine.engine_core.engine_core.scheduler, []
+    preempt = scheduler._preempt_request
+    scheduler._preempt_request = lambda request, *args: preempted.append(request) or preempt(request, *args)
+    g, n = torch.Generator().manual_seed(51), 64
+    prompts = [torch.randint(0, TINY["vocab_size"], (int(length),), generator=g).tolist()
+               for length in torch.randint(20, 401, (n,), generator=g)]
+    seeds = [51_000 + i for i in range(n)]
+    completions, kept = engine.generate(prompts, [256] * n, 1.0, seeds, ignore_eos=True)
+    recorded_preemptions = len(preempted)
+    params = [SamplingParams(temperature=1.0, max_tokens=256, seed=s, logprobs=0, flat_logprobs=True,
+                             detokenize=False, ignore_eos=True) for s in seeds]
+    outs = [o.outputs[0] for o in engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                                      use_tqdm=False)]
+    print(f"\n[tiny, 0.01 GiB of KV cache] {recorded_preemptions} preemptions while recording, "
+          f"{len(preempted) - recorded_preemptions} on vLLM's own path")
+    assert recorded_preemptions > 0 and [list(o.token_ids) for o in outs] == completions
+    assert count_mismatches(kept, [torch.tensor(o.logprobs.logprobs, dtype=torch.float32) for o in outs]) == 0
+    model = simple_rl.load_qwen3(ckpt, "cuda")
+    assert count_mismatches(trainer_logprobs(model, prompts, completions, list(range(n)), 16384), kept) == 0
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_logprobs_are_bitwise_vllms_at_other_temperatures(served, temperature):
     """vLLM samples from softmax(z / T) and returns that distribution's logprobs (processed logprobs);
