@@ -960,6 +960,11 @@ REFERENCE = Kernels(
 CUDA_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # mode 0: CompilationMode.NONE
 
 
+def int64_bits(seed: int) -> int:
+    """A request's uint64 seed (as a generator's `initial_seed` gives it), as the int64 with its bits."""
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
 def seeded_random_sample(probs: torch.Tensor, generators: dict, unseeded: Callable) -> torch.Tensor:
     """vLLM 0.20's `random_sample` (a token per row of `probs`, (rows, V) fp32) when every request has its own
     seed, as simple_rl.py's do: all rows at once, by the Gumbel-max kernel of vLLM's V2 model runner
@@ -976,7 +981,7 @@ def seeded_random_sample(probs: torch.Tensor, generators: dict, unseeded: Callab
         generator = generators[row]
         offset, seed = generator.get_offset(), generator.initial_seed()
         generator.set_offset(offset + 4)
-        seeds.append(seed - 2**64 if seed >= 2**63 else seed)  # the uint64 seed's bits, as an int64
+        seeds.append(int64_bits(seed))
         draws.append(offset // 4)
     keys = torch.tensor([seeds, draws], dtype=torch.int64).to(probs.device, non_blocking=True)
     SAMPLED.drew(keys)
@@ -994,13 +999,14 @@ class SampledLogprobs:
     `Sampler.sample` (wrapped by `install_exact_kernels`) the tokens drawn and the logprobs."""
 
     def __init__(self):
+        self.installed = False  # by `install_exact_kernels`: else vLLM's sampler hands nothing over
         self.seeds = self.rows = self.tokens = self.logprobs = self.keys = None  # set while recording
 
     @contextmanager
     def recording(self, seeds: list[int], draws: int, device):
         if len(set(seeds)) != len(seeds):
             raise ValueError("recording needs one seed per request: a seed names its row")
-        bits = torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds], dtype=torch.int64)
+        bits = torch.tensor([int64_bits(s) for s in seeds], dtype=torch.int64)
         self.seeds, self.rows = (t.to(device) for t in bits.sort())
         # A row more, for a draw whose seed is not among `seeds` (a request left in the engine): `read`
         # refuses. A column more, where a draw past `draws` would land, not past the end (vLLM 0.20 schedules
@@ -1026,9 +1032,9 @@ class SampledLogprobs:
                                "'processed_logprobs' whose sampler is seeded_random_sample")
         at = torch.searchsorted(self.seeds, keys[0]).clamp(max=len(self.seeds) - 1)
         rows = torch.where(self.seeds[at] == keys[0], self.rows[at], len(self.seeds))  # else the spare row
-        columns = keys[1].clamp(max=self.tokens.shape[1] - 1)
-        self.tokens[rows, columns] = sampled.long()
-        self.logprobs[rows, columns] = logprobs.gather(1, sampled.long()[:, None])[:, 0]
+        columns, sampled = keys[1].clamp(max=self.tokens.shape[1] - 1), sampled.long()
+        self.tokens[rows, columns] = sampled
+        self.logprobs[rows, columns] = logprobs.gather(1, sampled[:, None])[:, 0]
 
     def read(self, completions: list[list[int]]) -> list[torch.Tensor]:
         """Each completion's logprobs (fp32, CPU), once its tokens are checked against those recorded."""
@@ -1087,6 +1093,7 @@ def install_exact_kernels() -> None:
             SAMPLED.record(sampled, logprobs if processed else None)  # of the distribution sampled from
             return sampled, logprobs
         Sampler.sample = sample
+    SAMPLED.installed = True
 
 
 BITWISE_HEAD_DIMS = (128, 256)

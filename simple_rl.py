@@ -594,8 +594,7 @@ class VLLMEngine:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # quiet; =INFO brings vLLM's log back
         import vllm
-        self.exact = os.environ.get("VLLM_BATCH_INVARIANT") == "1"
-        if self.exact:
+        if os.environ.get("VLLM_BATCH_INVARIANT") == "1":
             install_exact_kernels()
         graphs = {"compilation_config": CUDA_GRAPHS} if cuda_graphs else {"enforce_eager": True}
         self.llm = vllm.LLM(
@@ -610,10 +609,9 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int],
                  stop_token_ids=(), ignore_eos: bool = False, top_k: int = 0, top_p: float = 1.0):
-        """One completion per prompt: token ids, and the fp32 logprob of each (temperature 0: greedy)."""
+        """One completion per prompt: token ids, and the fp32 logprob of each (T < 1e-5: greedy, as vLLM)."""
         from vllm import SamplingParams, TokensPrompt
-        # The sampled tokens' logprobs: kept on the GPU by the exact sampler (SAMPLED), else vLLM's own lists.
-        recorded = self.exact and temperature >= 1e-5  # vLLM samples greedily below (its _SAMPLING_EPS)
+        recorded = SAMPLED.installed and temperature >= 1e-5  # the exact sampler keeps these on the GPU
         params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=n, seed=s,
                                  logprobs=None if recorded else 0, flat_logprobs=True, detokenize=False,
                                  stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
@@ -625,12 +623,11 @@ class VLLMEngine:
             with SAMPLED.recording(seeds, max(max_tokens, default=0), "cuda") if recorded else nullcontext():
                 samples = [out.outputs[0] for out in self.llm.generate(prompts, params, use_tqdm=False)]
                 completions = [list(s.token_ids) for s in samples]
-                logprobs = SAMPLED.read(completions) if recorded else [  # a Python float holds fp32 exactly
+                return completions, SAMPLED.read(completions) if recorded else [  # fp32 in Python floats
                     torch.tensor(s.logprobs.logprobs, dtype=torch.float32) for s in samples]
         finally:
             if collecting:
                 gc.enable()
-        return completions, logprobs
 
     def sleep(self) -> None:
         self.llm.sleep(level=2)  # discards the weights, not copied to the host: the trainer pushes new ones

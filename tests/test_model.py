@@ -244,6 +244,7 @@ def test_the_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and_draw_
 
     monkeypatch.setattr(gumbel, "gumbel_sample", keyed_gumbel_max)
     install_exact_kernels()
+    assert SAMPLED.installed  # simple_rl.VLLMEngine.generate records from now on
     sampler = vllm_sampler.Sampler("processed_logprobs")
     sampler.topk_topp_sampler.forward = sampler.topk_topp_sampler.forward_native  # as on CUDA
     seeds, vocab = [11, 2**64 - 3, 5, 40, 7], 64
