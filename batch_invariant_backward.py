@@ -960,79 +960,88 @@ REFERENCE = Kernels(
 CUDA_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # mode 0: CompilationMode.NONE
 
 
-def int64_bits(seed: int) -> int:
-    """A request's uint64 seed (as a generator's `initial_seed` gives it), as the int64 with its bits."""
-    return seed - 2**64 if seed >= 2**63 else seed
-
-
-def seeded_random_sample(probs: torch.Tensor, generators: dict, unseeded: Callable) -> torch.Tensor:
-    """vLLM 0.20's `random_sample` (a token per row of `probs`, (rows, V) fp32) when every request has its own
-    seed, as simple_rl.py's do: all rows at once, by the Gumbel-max kernel of vLLM's V2 model runner
-    (`gumbel_sample`), each row's noise from its request's seed and the number of tokens it drew before.
-    vLLM's own draws each seeded row's noise with its own `exponential_` launch, 256 launches a step at 256
-    sequences. A draw advances the request's generator by 4, as `exponential_` does: vLLM rewinds a draw
-    it discards by 4. The logprobs do not depend on the noise; which token is drawn does."""
-    if len(generators) != len(probs):  # some rows draw from vLLM's global generator
-        return unseeded(probs, generators)
+def keyed_sample(probs: torch.Tensor, seeds: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """A token per row of `probs` ((rows, V) fp32), all rows at once, by the Gumbel-max kernel of vLLM's V2
+    model runner (`gumbel_sample`): row i's noise is keyed by its request's seed and the number of tokens the
+    request drew before (`seeds`, `draws`: (rows,) int64 on the GPU), so a request draws the same token
+    whatever shares its step. The logprobs do not depend on the noise; which token is drawn does."""
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
-    seeds, draws = [], []
-    for row in range(len(probs)):
-        generator = generators[row]
-        offset, seed = generator.get_offset(), generator.initial_seed()
-        generator.set_offset(offset + 4)
-        seeds.append(int64_bits(seed))
-        draws.append(offset // 4)
-    keys = torch.tensor([seeds, draws], dtype=torch.int64).to(probs.device, non_blocking=True)
-    SAMPLED.drew(keys)
     rows = torch.arange(len(probs), dtype=torch.int32, device=probs.device)
     ones = torch.ones(len(probs), dtype=torch.float32, device=probs.device)  # the temperature is applied
-    return gumbel_sample(probs.log_(), rows, ones, keys[0], keys[1], apply_temperature=False)
+    return gumbel_sample(probs.log_(), rows, ones, seeds, draws, apply_temperature=False)
+
+
+def exact_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids, expanded_local_pos, *,
+                 vllm_sample: Callable):
+    """vLLM 0.20's V2 `Sampler.sample` (logits (rows, V) -> the tokens drawn, the processed logits) computed
+    as its V1 sampler computes it, the ops the trainer mirrors: the fp32 logits divided by T
+    (`divide_by_temperature`), top-k/p (`top_k_top_p`), the processed logprobs (log-softmax) and the
+    probabilities (softmax) of those, and a keyed draw from them (`keyed_sample`). A row's draw count is its
+    position less its prompt: a prompt chunk before the last draws a negative count, which vLLM discards
+    (and `SAMPLED` does not keep); a request preempted and recomputed draws its next count. Greedy steps
+    (T < 1e-5, as vLLM decides) are vLLM's own."""
+    if (self.sampling_states.temperature.np[idx_mapping_np] < 1e-5).any():
+        return vllm_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
+                           expanded_local_pos)
+    processed = self.apply_sampling_params(logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
+                                           expanded_local_pos)
+    logprobs = processed.log_softmax(dim=-1, dtype=torch.float32) if SAMPLED.tokens is not None else None
+    probs = processed.softmax(dim=-1, dtype=torch.float32)
+    seeds = self.sampling_states.seeds.gpu[expanded_idx_mapping]
+    draws = pos - self.penalties_state.req_states.prompt_len.gpu[expanded_idx_mapping] + 1
+    sampled = keyed_sample(probs, seeds, draws)
+    SAMPLED.record(seeds, draws, sampled, logprobs)
+    return sampled, processed
+
+
+def divide_by_temperature(self, logits, expanded_idx_mapping, idx_mapping_np) -> None:
+    """vLLM 0.20's V1 temperature, in place of its V2 runner's Triton kernel: the fp32 logits divided by a
+    per-row fp32 tensor (greedy rows by 1), as `torch.div` rounds and the trainer divides."""
+    temperature = self.temperature.np[idx_mapping_np]
+    if ((temperature == 0.0) | (temperature == 1.0)).all():  # nothing to divide, as vLLM's V2 skips
+        return
+    t = self.temperature.gpu[expanded_idx_mapping]
+    logits.div_(torch.where(t < 1e-5, 1.0, t).unsqueeze(1))
 
 
 class SampledLogprobs:
-    """The processed logprob of each token vLLM 0.20's sampler draws for a seeded request, kept on the GPU (a
-    row per request, a column per draw) inside `recording(seeds, ...)`. vLLM's own way to the same fp32 values
+    """The processed logprob of each token the exact sampler (`exact_sample`) draws, kept on the GPU (a row
+    per request, a column per draw) inside `recording(seeds, ...)`. vLLM's own way to the same values
     (`SamplingParams(logprobs=0)`) makes Python objects of each, request by request at every step, in the host
     work that bounds a decode step: on an H100, 256 sequences of 512 tokens took 6.8-8.5 s with it and
-    5.7-6.5 s without. `seeded_random_sample` hands over each step's seeds and draw counts, then vLLM's
-    `Sampler.sample` (wrapped by `install_exact_kernels`) the tokens drawn and the logprobs."""
+    5.7-6.5 s without."""
 
     def __init__(self):
         self.installed = False  # by `install_exact_kernels`: else vLLM's sampler hands nothing over
-        self.seeds = self.rows = self.tokens = self.logprobs = self.keys = None  # set while recording
+        self.seeds = self.rows = self.tokens = self.logprobs = None  # set while recording
 
     @contextmanager
     def recording(self, seeds: list[int], draws: int, device):
         if len(set(seeds)) != len(seeds):
             raise ValueError("recording needs one seed per request: a seed names its row")
-        bits = torch.tensor([int64_bits(s) for s in seeds], dtype=torch.int64)
-        self.seeds, self.rows = (t.to(device) for t in bits.sort())
+        self.seeds, self.rows = (t.to(device) for t in torch.tensor(seeds, dtype=torch.int64).sort())
         # A row more, for a draw whose seed is not among `seeds` (a request left in the engine): `read`
-        # refuses. A column more, where a draw past `draws` would land, not past the end (vLLM 0.20 schedules
-        # none: scheduler.py stops a request at its max_tokens, even one step ahead).
+        # refuses. A column more, for what no completion keeps: a prompt chunk's draw, which vLLM discards,
+        # and one past the last (async scheduling may draw once past a stop token).
         self.tokens = torch.full((len(seeds) + 1, draws + 1), -1, dtype=torch.int64, device=device)
         self.logprobs = torch.full((len(seeds) + 1, draws + 1), float("nan"), device=device)
         try:
             yield self
         finally:
-            self.seeds = self.rows = self.tokens = self.logprobs = self.keys = None
+            self.seeds = self.rows = self.tokens = self.logprobs = None
 
-    def drew(self, keys: torch.Tensor) -> None:  # (2, rows) int64: each row's seed and its draws before
-        self.keys = None if self.tokens is None else keys
-
-    def record(self, sampled: torch.Tensor, logprobs: torch.Tensor | None) -> None:
-        """A step's tokens (rows,) and processed logprobs (rows, V); a draw vLLM discards (a prompt's chunk
-        before its last) is rewritten by the next, which has the same count."""
+    def record(self, seeds: torch.Tensor, draws: torch.Tensor, sampled: torch.Tensor,
+               logprobs: torch.Tensor | None) -> None:
+        """A step's rows: each one's request seed and draw count, the token drawn, and the processed logprobs
+        (rows, V). A request's draw count names its column: a draw made again (its request recomputed after a
+        preemption) rewrites its cell."""
         if self.tokens is None:
             return
-        keys, self.keys = self.keys, None
-        if keys is None or logprobs is None or len(keys[0]) != len(sampled):
-            raise RuntimeError("SAMPLED records seeded requests of an engine with logprobs_mode="
-                               "'processed_logprobs' whose sampler is seeded_random_sample")
-        at = torch.searchsorted(self.seeds, keys[0]).clamp(max=len(self.seeds) - 1)
-        rows = torch.where(self.seeds[at] == keys[0], self.rows[at], len(self.seeds))  # else the spare row
-        columns, sampled = keys[1].clamp(max=self.tokens.shape[1] - 1), sampled.long()
+        at = torch.searchsorted(self.seeds, seeds).clamp(max=len(self.seeds) - 1)
+        rows = torch.where(self.seeds[at] == seeds, self.rows[at], len(self.seeds))  # else the spare row
+        spare = self.tokens.shape[1] - 1
+        columns, sampled = torch.where(draws < 0, spare, draws.clamp(max=spare)), sampled.long()
         self.tokens[rows, columns] = sampled
         self.logprobs[rows, columns] = logprobs.gather(1, sampled[:, None])[:, 0]
 
@@ -1055,13 +1064,12 @@ def install_exact_kernels() -> None:
     add+RMSNorm's block size (< 256 tokens or not) and top-k/p's kernel (a sort below 8 rows) change the bits
     with the batch; with the same bits, the matmul's 128 x 128 tiles idle most SMs in decode (`tiled_linear`),
     as does the log-softmax's program a row (`split_log_softmax`, fp32 rows), and the RMSNorm copies q and k
-    before it runs (`rms_norm_rows`, the residual add fused in); the sampler draws seeded requests one by one
-    (`seeded_random_sample`), and the sampled tokens' logprobs reach the host one by one (`SAMPLED` keeps
-    them on the GPU). And hold the rotary table in fp32, like the trainer (`rope_cos_sin_cache`)."""
+    before it runs (`rms_norm_rows`, the residual add fused in). The V2 model runner's sampler
+    (`exact_sample`) divides by T as the trainer does and keeps each drawn token's logprob on the GPU
+    (`SAMPLED`). And hold the rotary table in fp32, like the trainer (`rope_cos_sin_cache`)."""
     from vllm.model_executor.layers import batch_invariant, layernorm, linear, vocab_parallel_embedding
     from vllm.model_executor.layers.rotary_embedding import base as rotary
-    from vllm.v1.sample.ops import topk_topp_sampler
-    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.gpu.sample import sampler, states
 
     def fused_add_rms_norm(x, residual, weight, variance_epsilon):  # a bf16 add, then the Triton norm
         return rms_norm_rows(x, weight, variance_epsilon, residual)
@@ -1080,20 +1088,27 @@ def install_exact_kernels() -> None:
         batch_invariant.log_softmax = log_softmax
     rotary.RotaryEmbeddingBase._match_cos_sin_cache_dtype = fp32_rotary_table
     linear.linear_batch_invariant = vocab_parallel_embedding.linear_batch_invariant = tiled_linear
-    topk_topp_sampler.apply_top_k_top_p = top_k_top_p
-    vllm_sample = topk_topp_sampler.random_sample
-    if getattr(vllm_sample, "__module__", None) == topk_topp_sampler.__name__:  # not installed yet
-        topk_topp_sampler.random_sample = functools.partial(seeded_random_sample, unseeded=vllm_sample)
-    vllm_sampler_sample = Sampler.sample
-    if vllm_sampler_sample.__module__ == Sampler.__module__:  # not installed yet
-
-        def sample(self, logits, sampling_metadata, logprobs_mode_override=None):
-            sampled, logprobs = vllm_sampler_sample(self, logits, sampling_metadata, logprobs_mode_override)
-            processed = (logprobs_mode_override or self.logprobs_mode) == "processed_logprobs"
-            SAMPLED.record(sampled, logprobs if processed else None)  # of the distribution sampled from
-            return sampled, logprobs
-        Sampler.sample = sample
+    states.apply_top_k_top_p = top_k_top_p  # bound at import: V2's sampler calls this name
+    states.SamplingStates.apply_temperature = divide_by_temperature
+    vllm_sample = sampler.Sampler.sample
+    if vllm_sample.__module__ == sampler.__name__:  # not installed yet
+        def sample(self, *args):
+            return exact_sample(self, *args, vllm_sample=vllm_sample)
+        sampler.Sampler.sample = sample
     SAMPLED.installed = True
+
+
+def restore_block_table_pointers(worker) -> None:
+    """vLLM 0.20's V2 runner writes its block tables' addresses, strides and block sizes into GPU tensors
+    once, in the KV cache's sleep-mode pool (`BlockTables.__init__`): a sleep discards them, and the next step
+    reads garbage addresses (an illegal memory access; fixed in later vLLM). Written again in place after
+    wake-up (`worker`: the engine's, through `collective_rpc`), at the addresses the CUDA graphs hold."""
+    tables = worker.model_runner.block_tables
+    for tensor, values in ((tables.block_table_ptrs, [t.gpu.data_ptr() for t in tables.block_tables]),
+                           (tables.input_block_table_ptrs, [t.data_ptr() for t in tables.input_block_tables]),
+                           (tables.block_table_strides, [t.gpu.stride(0) for t in tables.block_tables]),
+                           (tables.block_sizes_tensor, tables.block_sizes)):
+        tensor.copy_(torch.tensor(values, dtype=tensor.dtype))
 
 
 BITWISE_HEAD_DIMS = (128, 256)

@@ -123,15 +123,16 @@ def bench_prompts(args) -> tuple[list[list[int]], torch.Tensor]:
 
 class EngineSteps:
     """Times vLLM's engine (of `vllm.LLM` `llm`) from now on: each step's seconds (a decode step of every
-    running sequence, or a prefill chunk) and the GPU milliseconds of the model's forward in it (CUDA events).
-    The rest of a step is vLLM's host work (scheduler, inputs, outputs): at 256 sequences on an H100, 7.4 ms of
-    forward in steps of 9.5-15 ms, the host's speed moving by half between generations."""
+    running sequence, or a prefill chunk) and the GPU milliseconds of its model runner's `execute_model` (the
+    inputs' copies and the forward; CUDA events). The rest of a step is vLLM's host work (scheduler, inputs,
+    outputs): at 256 sequences on an H100 (V1 runner), 7.4 ms of forward in steps of 9.5-15 ms, the host's
+    speed moving by half between generations."""
 
     def __init__(self, llm):
         self.seconds, self.forwards = [], []
         step = llm.llm_engine.step
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        forward = runner._model_forward
+        forward = runner.execute_model
 
         def timed_step():
             start = time.perf_counter()
@@ -146,7 +147,7 @@ class EngineSteps:
             end.record()
             self.forwards.append((start, end))
             return out
-        llm.llm_engine.step, runner._model_forward = timed_step, timed_forward
+        llm.llm_engine.step, runner.execute_model = timed_step, timed_forward
 
     def medians(self) -> dict:
         """The median engine step and forward, in ms, of the steps since the last call."""

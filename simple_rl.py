@@ -256,8 +256,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
     CUDA_GRAPHS, EXACT, SAMPLED, Kernels, _num_sms, check_bitwise_head_dim, first_divergence,
-    install_exact_kernels, matmul_tiles, micro_batch_bytes, qwen3_gemms, rope_cos_sin_cache, trainer_trace,
-    vllm_trace)
+    install_exact_kernels, matmul_tiles, micro_batch_bytes, qwen3_gemms, restore_block_table_pointers,
+    rope_cos_sin_cache, trainer_trace, vllm_trace)
 
 
 # ===== The processes: one, or torchrun's =====
@@ -590,11 +590,12 @@ class VLLMEngine:
     def __init__(self, model_dir: Path, gpu_memory_utilization: float, max_model_len: int, seed: int,
                  cuda_graphs: bool = True, sleep_mode: bool = True, max_num_seqs: int = 256, **vllm_args):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in this process
-        # The V1 runner: 0.20's V2 runner lost state in a level-2 sleep (illegal memory access after wake-up).
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # quiet; =INFO brings vLLM's log back
+        # Exact: vLLM's V2 model runner (less of the host work that bounds a decode step), our sampler
+        self.v2 = os.environ.get("VLLM_BATCH_INVARIANT") == "1"
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = str(int(self.v2))
         import vllm
-        if os.environ.get("VLLM_BATCH_INVARIANT") == "1":
+        if self.v2:
             install_exact_kernels()
         graphs = {"compilation_config": CUDA_GRAPHS} if cuda_graphs else {"enforce_eager": True}
         self.llm = vllm.LLM(
@@ -616,12 +617,12 @@ class VLLMEngine:
                                  logprobs=None if recorded else 0, flat_logprobs=True, detokenize=False,
                                  stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
                   for n, s in zip(max_tokens, seeds)]
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         collecting = gc.isenabled()  # vLLM's host work bounds a decode step: GC passes on its objects add ~5%
         gc.disable()
         try:
             with SAMPLED.recording(seeds, max(max_tokens, default=0), "cuda") if recorded else nullcontext():
-                samples = [out.outputs[0] for out in self.llm.generate(prompts, params, use_tqdm=False)]
+                samples = [out.outputs[0] for out in self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)]
                 completions = [list(s.token_ids) for s in samples]
                 return completions, SAMPLED.read(completions) if recorded else [  # fp32 in Python floats
                     torch.tensor(s.logprobs.logprobs, dtype=torch.float32) for s in samples]
@@ -634,6 +635,8 @@ class VLLMEngine:
 
     def wake_up(self, tags: list[str]) -> None:
         self.llm.wake_up(tags=tags)  # the same addresses (CUDA graphs stay valid); contents not restored
+        if self.v2 and "kv_cache" in tags:
+            self.llm.collective_rpc(restore_block_table_pointers)
 
     def push_weights(self, model: Qwen3) -> None:  # no disk: vLLM's `load_weights` fills its merged slots
         self.llm.apply_model(lambda served: served.load_weights(hf_weights(model)))

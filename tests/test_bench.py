@@ -39,16 +39,16 @@ def test_each_timed_step_keeps_its_engine_steps_and_forwards_medians(monkeypatch
         return "hidden"
     monkeypatch.setattr(bench.torch.cuda, "Event", Event)
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
-    runner = SimpleNamespace(_model_forward=forward)
+    runner = SimpleNamespace(execute_model=forward)
     worker = SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))
     core = SimpleNamespace(engine_core=SimpleNamespace(model_executor=worker))
     llm = SimpleNamespace(llm_engine=SimpleNamespace(step=lambda: "outputs", engine_core=core))
     steps = bench.EngineSteps(llm)
     assert [llm.llm_engine.step() for _ in range(3)] == ["outputs"] * 3
-    assert [runner._model_forward(ms) for ms in (7.0, 7.5, 9.0)] == ["hidden"] * 3
+    assert [runner.execute_model(ms) for ms in (7.0, 7.5, 9.0)] == ["hidden"] * 3
     first = steps.medians()
     assert first["forward_ms"] == 7.5 and 0 <= first["engine_step_ms"] < 1e3
-    runner._model_forward(6.0)
+    runner.execute_model(6.0)
     llm.llm_engine.step()
     assert steps.medians()["forward_ms"] == 6.0  # the earlier steps were cleared
     side = bench.combine([process((6.0, 4.0), (6.4, 4.2)), process((7.0, 4.4))])

@@ -160,12 +160,12 @@ def test_every_sampled_token_logprob_is_bitwise_vllms(served):
         assert torch.equal(alone.view(torch.int32), vllm_lps[i].view(torch.int32))
 
 
-def test_logprobs_kept_on_the_gpu_are_those_vllm_returns(served):
+def test_logprobs_kept_on_the_gpu_are_the_trainers_and_vllms_tokens(served):
     """simple_rl.py takes the sampled tokens' logprobs off the GPU as the sampler draws them (`SAMPLED`), not
-    from vLLM's per-request lists: the same requests through vLLM's own path (`logprobs=0`) give the same tokens
-    and the same bits. 300 requests, prompts of 20-700 tokens (chunked prefill: draws discarded and drawn
-    again), up to 256 new tokens, T = 0.7 with top-k/p, a stop token in 500 (async scheduling draws once
-    past a stop)."""
+    from vLLM's per-request lists: the trainer's bits, and the same requests through vLLM's own path
+    (`logprobs=0`) draw the same tokens. 300 requests, prompts of 20-700 tokens (chunked prefill: a prompt
+    chunk's draw is discarded), up to 256 new tokens, T = 0.7 with top-k/p, a stop token in 500 (async
+    scheduling may draw once past a stop)."""
     from vllm import SamplingParams, TokensPrompt
 
     engine, model, config, name, _ = served
@@ -182,13 +182,14 @@ def test_logprobs_kept_on_the_gpu_are_those_vllm_returns(served):
     lengths = [len(c) for c in completions]
     print(f"\n[{name}] {sum(lengths)} tokens; {sum(x < 256 for x in lengths)} of {n} completions stopped early")
     assert [list(o.token_ids) for o in outs] == completions and 0 < sum(x < 256 for x in lengths) < n
-    assert count_mismatches(kept, [torch.tensor(o.logprobs.logprobs, dtype=torch.float32) for o in outs]) == 0
+    order = torch.randperm(n, generator=g).tolist()
+    assert count_mismatches(trainer_logprobs(model, prompts, completions, order, 16384, 0.7, 20, 0.95), kept) == 0
 
 
 def test_logprobs_kept_on_the_gpu_survive_preemption(tmp_path):
     """A KV cache of about 3,500 tokens for 64 requests of up to 656: vLLM preempts requests and recomputes
-    them (each keeps its generator; the recompute's draws before its last chunk are discarded and rewound).
-    The logprobs kept on the GPU are still vLLM's own path's and the trainer's, bit for bit."""
+    them (a request's draw count is its position less its prompt, so a recompute draws where it left off).
+    The tokens are those of vLLM's own path, the logprobs kept on the GPU the trainer's, bit for bit."""
     from vllm import SamplingParams, TokensPrompt
 
     ckpt = write_checkpoint(tmp_path, TINY, seed=3, device="cuda")
@@ -209,7 +210,6 @@ def test_logprobs_kept_on_the_gpu_survive_preemption(tmp_path):
     print(f"\n[tiny, 0.01 GiB of KV cache] {recorded_preemptions} preemptions while recording, "
           f"{len(preempted) - recorded_preemptions} on vLLM's own path")
     assert recorded_preemptions > 0 and [list(o.token_ids) for o in outs] == completions
-    assert count_mismatches(kept, [torch.tensor(o.logprobs.logprobs, dtype=torch.float32) for o in outs]) == 0
     model = simple_rl.load_qwen3(ckpt, "cuda")
     assert count_mismatches(trainer_logprobs(model, prompts, completions, list(range(n)), 16384), kept) == 0
 
@@ -552,36 +552,24 @@ def test_split_log_softmax_is_bitwise_vllms_log_softmax():
     print(f"\n[split_log_softmax] {checked} (vocabulary, rows, scale) cases bitwise vLLM's")
 
 
-def test_seeded_sampler_draws_each_requests_own_tokens_from_the_distribution():
-    """The sampler simple_rl.py installs in the engine (`seeded_random_sample`) draws every row at once from
-    its request's seed and draw count: a request gets the same token whatever shares its batch, in whatever
-    order; each draw advances its generator by 4 (a generator rewound by 4, as vLLM rewinds a discarded draw,
-    draws the same token again); the tokens follow the distribution; unseeded rows go to vLLM's own."""
-    from vllm.v1.sample.ops import topk_topp_sampler
+def test_keyed_sampler_draws_each_requests_own_tokens_from_the_distribution():
+    """The sampler simple_rl.py installs in the engine (`keyed_sample`) draws every row at once, keyed by its
+    request's seed and draw count: a request gets the same token whatever shares its batch, in whatever
+    order; its next draw another; the tokens follow the distribution."""
+    from batch_invariant_backward import keyed_sample
 
-    from batch_invariant_backward import install_exact_kernels
-
-    install_exact_kernels()
-    sample, n, vocab = topk_topp_sampler.random_sample, 8192, 151936
+    n, vocab = 8192, 151936
     p = torch.arange(1, 17, dtype=torch.float64) / 136  # 16 tokens of probability 1/136 to 16/136
     probs = torch.zeros(n, vocab, device="cuda")
     probs[:, 1000:1016] = p.float().cuda()
-
-    def generators(seeds):
-        return {row: torch.Generator("cuda").manual_seed(seed) for row, seed in enumerate(seeds)}
-    seeds = list(range(10**9, 10**9 + n))
-    gens = generators(seeds)
-    first = sample(probs.clone(), gens)
-    assert all(g.get_offset() == 4 for g in gens.values())
+    seeds = torch.arange(10**9, 10**9 + n, device="cuda")
+    draws = torch.zeros(n, dtype=torch.int64, device="cuda")
+    first = keyed_sample(probs.clone(), seeds, draws)
     counts = torch.bincount(first - 1000, minlength=16).cpu().double()
     expected = n * p
     assert len(counts) == 16 and ((counts - expected).abs() <= 5 * (expected * (1 - p)).sqrt()).all(), counts
-    others = seeds[::-3]  # a third of the requests, in reverse order, in a smaller batch
-    assert torch.equal(sample(probs[: len(others)].clone(), generators(others)), first.flip(0)[::3])
-    second = sample(probs.clone(), gens)
+    others = torch.arange(n - 1, -1, -3, device="cuda")  # a third of the requests, in reverse order
+    assert torch.equal(keyed_sample(probs[: len(others)].clone(), seeds[others], draws[others]), first[others])
+    second = keyed_sample(probs.clone(), seeds, draws + 1)
     assert (second != first).float().mean() > 0.8  # the next draw: another token, mostly
-    for g in gens.values():
-        g.set_offset(g.get_offset() - 4)
-    assert torch.equal(sample(probs.clone(), gens), second)
-    mixed = sample(probs[:4].clone(), {0: torch.Generator("cuda").manual_seed(0)})  # vLLM's own sampler
-    assert ((mixed >= 1000) & (mixed < 1016)).all()
+    assert torch.equal(keyed_sample(probs.clone(), seeds, draws + 1), second)

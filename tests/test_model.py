@@ -2,7 +2,9 @@
 HF -> trainer -> HF round trip, and a full forward + backward."""
 
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import qwen3_config, random_hf_weights, write_checkpoint
@@ -166,134 +168,107 @@ def test_vllm_holds_the_rotary_table_in_fp32_with_the_trainers_values():
     assert trainers.dtype == torch.float32 and torch.equal(table.view(torch.int32), trainers.view(torch.int32))
 
 
-class CudaGenerator:
-    """What vLLM's sampler uses of a request's CUDA generator (a CPU torch.Generator has no offset)."""
+class Uva:
+    """A UvaBackedTensor of vLLM's V2 runner (host numpy and device views of one buffer; CUDA only): a CPU
+    tensor and its numpy view."""
 
-    def __init__(self, seed: int):
-        self.seed, self.offset = seed, 0
-
-    def initial_seed(self) -> int:
-        return self.seed
-
-    def get_offset(self) -> int:
-        return self.offset
-
-    def set_offset(self, offset: int) -> None:
-        self.offset = offset
+    def __init__(self, values, dtype):
+        self.gpu = torch.tensor(values, dtype=dtype)
+        self.np = self.gpu.numpy()
 
 
-def test_seeded_sampler_keys_each_row_by_its_requests_seed_and_draw(monkeypatch):
-    """The host side of the sampler installed in vLLM (`seeded_random_sample`): row i's noise is keyed by
-    request i's seed (uint64, passed as its int64 bits) and draw count, each draw advances the generator by 4
-    as `exponential_` does, and a batch with an unseeded row goes to vLLM's own sampler. vLLM's Gumbel-max
-    kernel is Triton (GPU only: tests/test_gpu.py runs it); here a plain Gumbel-max keyed the same way."""
-    from vllm.v1.sample.ops import topk_topp_sampler
-    from vllm.v1.worker.gpu.sample import gumbel
+def test_the_exact_sampler_draws_as_v1_and_keeps_each_tokens_logprob_where_its_request_and_draw_say(monkeypatch):
+    """vLLM 0.20's V2 `Sampler.sample`, as `install_exact_kernels` replaces it (`exact_sample`), on the CPU: its
+    request state is GPU-only (a stand-in here, as is the Triton Gumbel-max: a plain one keyed the same way).
+    Each row's noise is keyed by its request's seed and its position less its prompt; the logprob kept is the
+    log-softmax of the logits divided by T as vLLM's V1 sampler and the trainer divide, bit for bit, in its
+    request's row at its draw's column; a prompt chunk's draw is not kept; a greedy step is vLLM's own.
+    Refused: tokens the sampler did not draw, a request with another seed, two requests with one seed."""
+    from vllm.v1.worker.gpu.sample import gumbel, sampler as v2_sampler
 
-    from batch_invariant_backward import install_exact_kernels
+    from batch_invariant_backward import SAMPLED, divide_by_temperature, install_exact_kernels
 
-    calls = []
+    keys, vllms = [], []
 
     def keyed_gumbel_max(logits, rows, temperature, seed, pos, apply_temperature):
         assert rows.tolist() == list(range(len(logits))) and not apply_temperature
-        assert torch.equal(temperature, torch.ones(len(logits)))
-        calls.append(list(zip(seed.tolist(), pos.tolist())))
-        noise = [torch.rand(logits.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(
-            hash((s, p)) % 2**63)) for s, p in calls[-1]]
-        return (logits.double() - torch.stack(noise).log().neg().log()).argmax(-1)
-
-    monkeypatch.setattr(gumbel, "gumbel_sample", keyed_gumbel_max)
-    install_exact_kernels()
-    sample, vocab = topk_topp_sampler.random_sample, 50
-    probs = torch.softmax(torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)), -1)
-    seeds = [3, 4, 2**64 - 5, 7, 8, 9]
-    gens = {row: CudaGenerator(seed) for row, seed in enumerate(seeds)}
-    first = sample(probs.clone(), gens)
-    assert calls[-1] == [(3, 0), (4, 0), (-5, 0), (7, 0), (8, 0), (9, 0)]
-    assert [g.offset for g in gens.values()] == [4] * 6
-    second = sample(probs.clone(), gens)
-    assert [p for _, p in calls[-1]] == [1] * 6 and not torch.equal(first, second)
-    gens[1].set_offset(4)  # vLLM rewinds a draw it discards
-    again = sample(probs[[4, 1]].clone(), {0: gens[4], 1: gens[1]})  # two of the requests, reordered
-    assert calls[-1] == [(8, 2), (4, 1)] and again[1] == second[1]  # request 1's draw 1, in another batch
-    one_hot = torch.eye(6, vocab)  # row i can only draw token i: results stay in row order
-    assert sample(one_hot.clone(), {row: CudaGenerator(row) for row in range(6)}).tolist() == list(range(6))
-    n_calls = len(calls)
-    mixed = sample(probs.clone(), {0: torch.Generator().manual_seed(0)})  # rows 1-5 unseeded: vLLM's own
-    assert len(calls) == n_calls and mixed.shape == (6,)
-
-
-def test_the_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and_draw_say(monkeypatch):
-    """`SAMPLED`, fed by vLLM 0.20's own `Sampler` (its CUDA path, run here on the CPU with a keyed Gumbel-max in
-    place of its Triton kernel, at T = 0.7: top-k/p's kernel is Triton too): each step's rows, in whatever order
-    and number, land in their request's row at their draw's column, with the very fp32 logprob vLLM's own
-    `logprobs=0` path gathers; a discarded draw is rewritten by the next; a draw past the end goes to the spare
-    column. Refused: tokens it did not see, a request with another seed, a sampler of other logprobs, two
-    requests with one seed."""
-    from vllm.v1.sample import sampler as vllm_sampler
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-    from vllm.v1.worker.gpu.sample import gumbel
-
-    from batch_invariant_backward import SAMPLED, install_exact_kernels
-
-    def keyed_gumbel_max(logits, rows, temperature, seed, pos, apply_temperature):
+        keys.append(list(zip(seed.tolist(), pos.tolist())))
         noise = torch.stack([torch.rand(logits.shape[1], generator=torch.Generator().manual_seed(
-            hash((s, p)) % 2**63)) for s, p in zip(seed.tolist(), pos.tolist())])
+            hash((s, p)) % 2**63)) for s, p in keys[-1]])
         return (logits - noise.log().neg().log()).argmax(-1)
 
     monkeypatch.setattr(gumbel, "gumbel_sample", keyed_gumbel_max)
+    monkeypatch.setattr(v2_sampler, "gumbel_sample", lambda logits, *args, **kw: vllms.append(1) or logits.argmax(-1))
     install_exact_kernels()
     assert SAMPLED.installed  # simple_rl.VLLMEngine.generate records from now on
-    sampler = vllm_sampler.Sampler("processed_logprobs")
-    sampler.topk_topp_sampler.forward = sampler.topk_topp_sampler.forward_native  # as on CUDA
-    seeds, vocab = [11, 2**64 - 3, 5, 40, 7], 64
-    gens = {seed: CudaGenerator(seed) for seed in seeds}
+    seeds, prompt_lens, vocab = [11, 2**62 + 3, 5, 40, 7], [3, 10, 4, 6, 2], 64
+    states = SimpleNamespace(temperature=Uva([0.7] * 5, torch.float32), seeds=Uva(seeds, torch.int64))
 
-    def step(requests: list[int], sampler=sampler):  # one step of these requests (indices into seeds)
-        n = len(requests)
-        meta = SamplingMetadata(
-            temperature=torch.full((n,), 0.7), all_greedy=False, all_random=True, top_p=None, top_k=None,
-            generators={row: gens[seeds[r]] for row, r in enumerate(requests)},
-            max_num_logprobs=0, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(n),
-            presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n), output_token_ids=[[]] * n,
-            allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
-        out = sampler(torch.randn(n, vocab, generator=g), meta)
-        return out.sampled_token_ids[:, 0].tolist(), out.logprobs_tensors.logprobs[:, 0]  # vLLM's own
-
+    def apply_sampling_params(logits, mapping, mapping_np, *_):  # vLLM's V2 order: fp32 copy, then T
+        logits = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
+        divide_by_temperature(states, logits, mapping, mapping_np)
+        return logits
+    sampler = SimpleNamespace(sampling_states=states, apply_sampling_params=apply_sampling_params,
+                              penalties_state=SimpleNamespace(req_states=SimpleNamespace(
+                                  prompt_len=Uva(prompt_lens, torch.int32))))
     g = torch.Generator().manual_seed(0)
-    expected = {r: [] for r in range(5)}  # per request: (token, vLLM's logprob) of each kept draw
+
+    def step(requests: list[int], drawn: list[int]):  # requests (state slots) whose draw counts are `drawn`
+        logits = torch.randn(len(requests), vocab, generator=g).bfloat16()
+        pos = torch.tensor([prompt_lens[r] + d - 1 for r, d in zip(requests, drawn)])
+        tokens, processed = v2_sampler.Sampler.sample(sampler, logits, torch.tensor(requests, dtype=torch.int32),
+                                                      np.array(requests), pos, None, None)
+        t = states.temperature.gpu[requests]
+        v1 = logits.float().div_(torch.where(t < 1e-5, 1.0, t)[:, None])  # vLLM's V1 division, the trainer's
+        assert torch.equal(processed.view(torch.int32), v1.view(torch.int32))
+        return tokens.tolist(), v1.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+
+    expected = {r: {} for r in range(5)}  # per request and draw: (token, logprob)
     with SAMPLED.recording(seeds, 3, "cpu"):
-        for requests in ([0, 1, 2, 3, 4], [3, 1, 0], [4, 2], [1, 0]):
-            tokens, logprobs = step(requests)
-            for r, t, lp in zip(requests, tokens, logprobs):
-                expected[r].append((t, lp))
-        gens[seeds[2]].set_offset(gens[seeds[2]].get_offset() - 4)  # vLLM discards request 2's last draw
-        expected[2].pop()
-        for requests in ([2, 4], [4], [4]):  # request 4's fourth and fifth draws go to the spare column
-            tokens, logprobs = step(requests)
-            for r, t, lp in zip(requests, tokens, logprobs):
-                expected[r].append((t, lp))
-        completions = [[t for t, _ in expected[r]][:3] for r in range(5)]
+        for requests, drawn in (([0, 1, 2, 3, 4], [0, 0, 0, 0, 0]), ([3, 1, 0], [1, 1, 1]), ([4, 2], [1, 1]),
+                                ([1, 0], [2, 2]), ([2, 4], [1, 2]), ([4, 4], [3, 4])):
+            tokens, logprobs = step(requests, drawn)
+            assert keys[-1] == [(seeds[r], d) for r, d in zip(requests, drawn)]
+            for r, d, t, lp in zip(requests, drawn, tokens, logprobs):
+                expected[r][d] = (t, lp)  # request 2's draw 1 made again (a recompute): the second kept
+        step([3], [-2])  # a prompt chunk before the last: its draw is discarded by vLLM, not kept
+        completions = [[expected[r][d][0] for d in sorted(expected[r]) if d < 3] for r in range(5)]
         recorded = SAMPLED.read(completions)
         assert [len(x) for x in recorded] == [3, 3, 2, 2, 3]
         for r in range(5):
-            vllms = torch.stack([lp for _, lp in expected[r]][:3])
-            assert torch.equal(recorded[r].view(torch.int32), vllms.view(torch.int32))
+            kept = torch.stack([expected[r][d][1] for d in range(len(completions[r]))])
+            assert torch.equal(recorded[r].view(torch.int32), kept.view(torch.int32))
         with pytest.raises(RuntimeError, match="request 3: vLLM's tokens are not those its sampler drew"):
             SAMPLED.read(completions[:3] + [[completions[3][0] + 1]] + completions[4:])
     assert SAMPLED.tokens is None
-    step([0, 1])  # not recording: nothing kept, nothing fails
+    step([0, 1], [5, 5])  # not recording: nothing kept, nothing fails
     with SAMPLED.recording(seeds[:4], 3, "cpu"):
-        step([0, 4, 1])  # request 4's seed is not recorded
+        step([0, 4, 1], [0, 0, 0])  # request 4's seed is not recorded
         with pytest.raises(RuntimeError, match="a request with a seed not being recorded"):
             SAMPLED.read([[], [], [], []])
-    raw = vllm_sampler.Sampler("raw_logprobs")
-    raw.topk_topp_sampler.forward = raw.topk_topp_sampler.forward_native
-    with SAMPLED.recording(seeds, 3, "cpu"), pytest.raises(RuntimeError, match="logprobs_mode='processed_logprobs'"):
-        step([0, 1], raw)
     with pytest.raises(ValueError, match="one seed per request"), SAMPLED.recording([3, 4, 3], 3, "cpu"):
         pass
+    n_keyed, states.temperature = len(keys), Uva([0.7, 0.0, 0.7, 0.7, 0.7], torch.float32)
+    step([0, 1], [0, 0])  # a greedy request in the step: vLLM's own sampler
+    assert len(keys) == n_keyed and vllms == [1]
+
+
+def test_the_temperature_divides_as_vllms_v1_sampler_and_the_trainer():
+    """`divide_by_temperature`, in place of the V2 runner's Triton kernel: each row divided by its request's
+    T as an fp32 tensor (bit for bit `torch.div`, which the trainer runs), a greedy row by 1; a step of T 0 and
+    1 only is left alone."""
+    from batch_invariant_backward import divide_by_temperature
+
+    states = SimpleNamespace(temperature=Uva([0.7, 0.0, 1.3, 1.0], torch.float32))
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
+    mapping = [0, 1, 2, 3, 0]
+    divided = logits.clone()
+    divide_by_temperature(states, divided, torch.tensor(mapping), np.array(mapping))
+    by = torch.tensor([[0.7], [1.0], [1.3], [1.0], [0.7]])
+    assert torch.equal(divided.view(torch.int32), (logits / by).view(torch.int32))
+    untouched = logits.clone()
+    divide_by_temperature(states, untouched, torch.tensor([1, 3]), np.array([1, 3]))
+    assert torch.equal(untouched, logits)
 
 
 def test_matmul_tiles_fit_in_shared_memory_and_spread_over_the_sms():
