@@ -978,9 +978,9 @@ def exact_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_
     as its V1 sampler computes it, the ops the trainer mirrors: the fp32 logits divided by T
     (`divide_by_temperature`), top-k/p (`top_k_top_p`), the processed logprobs (log-softmax) and the
     probabilities (softmax) of those, and a keyed draw from them (`keyed_sample`). A row's draw count is its
-    position less its prompt: a prompt chunk before the last draws a negative count, which vLLM discards
-    (and `SAMPLED` does not keep); a request preempted and recomputed draws its next count. Greedy steps
-    (T < 1e-5, as vLLM decides) are vLLM's own."""
+    position less its prompt (a request preempted and recomputed draws its next count). vLLM discards the
+    draw of a prefill chunk before its last (a prompt's, or a recompute's), and `SAMPLED` does not keep it.
+    Greedy steps (T < 1e-5, as vLLM decides) are vLLM's own."""
     if (self.sampling_states.temperature.np[idx_mapping_np] < 1e-5).any():
         return vllm_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
                            expanded_local_pos)
@@ -988,10 +988,11 @@ def exact_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_
                                            expanded_local_pos)
     logprobs = processed.log_softmax(dim=-1, dtype=torch.float32) if SAMPLED.tokens is not None else None
     probs = processed.softmax(dim=-1, dtype=torch.float32)
-    seeds = self.sampling_states.seeds.gpu[expanded_idx_mapping]
-    draws = pos - self.penalties_state.req_states.prompt_len.gpu[expanded_idx_mapping] + 1
+    requests, seeds = self.penalties_state.req_states, self.sampling_states.seeds.gpu[expanded_idx_mapping]
+    draws = pos - requests.prompt_len.gpu[expanded_idx_mapping] + 1
     sampled = keyed_sample(probs, seeds, draws)
-    SAMPLED.record(seeds, draws, sampled, logprobs)
+    kept = pos >= requests.prefill_len.gpu[expanded_idx_mapping] - 1  # else a prefill chunk before its last
+    SAMPLED.record(seeds, torch.where(kept, draws, -1), sampled, logprobs)
     return sampled, processed
 
 
@@ -1033,9 +1034,8 @@ class SampledLogprobs:
 
     def record(self, seeds: torch.Tensor, draws: torch.Tensor, sampled: torch.Tensor,
                logprobs: torch.Tensor | None) -> None:
-        """A step's rows: each one's request seed and draw count, the token drawn, and the processed logprobs
-        (rows, V). A request's draw count names its column: a draw made again (its request recomputed after a
-        preemption) rewrites its cell."""
+        """A step's rows: each one's request seed and draw count (negative: a draw vLLM discards), the token
+        drawn, and the processed logprobs (rows, V). A request's draw count names its column."""
         if self.tokens is None:
             return
         at = torch.searchsorted(self.seeds, seeds).clamp(max=len(self.seeds) - 1)

@@ -610,7 +610,7 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int],
                  stop_token_ids=(), ignore_eos: bool = False, top_k: int = 0, top_p: float = 1.0):
-        """One completion per prompt: token ids, and the fp32 logprob of each (T < 1e-5: greedy, as vLLM)."""
+        """One completion per prompt: token ids, the fp32 logprob of each (T < 1e-5: greedy, vLLM's own)."""
         from vllm import SamplingParams, TokensPrompt
         recorded = SAMPLED.installed and temperature >= 1e-5  # the exact sampler keeps these on the GPU
         params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=n, seed=s,

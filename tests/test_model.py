@@ -208,9 +208,9 @@ def test_the_exact_sampler_draws_as_v1_and_keeps_each_tokens_logprob_where_its_r
         logits = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
         divide_by_temperature(states, logits, mapping, mapping_np)
         return logits
+    requests = SimpleNamespace(prompt_len=Uva(prompt_lens, torch.int32), prefill_len=Uva(prompt_lens, torch.int32))
     sampler = SimpleNamespace(sampling_states=states, apply_sampling_params=apply_sampling_params,
-                              penalties_state=SimpleNamespace(req_states=SimpleNamespace(
-                                  prompt_len=Uva(prompt_lens, torch.int32))))
+                              penalties_state=SimpleNamespace(req_states=requests))
     g = torch.Generator().manual_seed(0)
 
     def step(requests: list[int], drawn: list[int]):  # requests (state slots) whose draw counts are `drawn`
@@ -224,17 +224,22 @@ def test_the_exact_sampler_draws_as_v1_and_keeps_each_tokens_logprob_where_its_r
         return tokens.tolist(), v1.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
 
     expected = {r: {} for r in range(5)}  # per request and draw: (token, logprob)
-    with SAMPLED.recording(seeds, 3, "cpu"):
-        for requests, drawn in (([0, 1, 2, 3, 4], [0, 0, 0, 0, 0]), ([3, 1, 0], [1, 1, 1]), ([4, 2], [1, 1]),
-                                ([1, 0], [2, 2]), ([2, 4], [1, 2]), ([4, 4], [3, 4])):
+
+    def steps(*batches):
+        for requests, drawn in batches:
             tokens, logprobs = step(requests, drawn)
             assert keys[-1] == [(seeds[r], d) for r, d in zip(requests, drawn)]
             for r, d, t, lp in zip(requests, drawn, tokens, logprobs):
-                expected[r][d] = (t, lp)  # request 2's draw 1 made again (a recompute): the second kept
-        step([3], [-2])  # a prompt chunk before the last: its draw is discarded by vLLM, not kept
+                expected[r][d] = (t, lp)
+    with SAMPLED.recording(seeds, 3, "cpu"):
+        steps(([0, 1, 2, 3, 4], [0, 0, 0, 0, 0]), ([3, 1, 0], [1, 1, 1]), ([4, 2], [1, 1]), ([1, 0], [2, 2]))
+        step([3], [-2])  # a prompt chunk before the last: vLLM discards its draw; not kept
+        requests.prefill_len.np[2] += 2  # request 2, preempted after 2 tokens, recomputes them too
+        step([2], [0])  # a chunk of that before its last (position prompt - 1): discarded, not kept
+        steps(([2, 4], [2, 2]), ([4, 4], [3, 4]))  # its last chunk draws its third token; 4's past the end
         completions = [[expected[r][d][0] for d in sorted(expected[r]) if d < 3] for r in range(5)]
         recorded = SAMPLED.read(completions)
-        assert [len(x) for x in recorded] == [3, 3, 2, 2, 3]
+        assert [len(x) for x in recorded] == [3, 3, 3, 2, 3]
         for r in range(5):
             kept = torch.stack([expected[r][d][1] for d in range(len(completions[r]))])
             assert torch.equal(recorded[r].view(torch.int32), kept.view(torch.int32))
