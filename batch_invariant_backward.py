@@ -1014,7 +1014,6 @@ class SampledLogprobs:
     5.7-6.5 s without."""
 
     def __init__(self):
-        self.installed = False  # by `install_exact_kernels`: else vLLM's sampler hands nothing over
         self.seeds = self.rows = self.tokens = self.logprobs = None  # set while recording
 
     @contextmanager
@@ -1095,7 +1094,6 @@ def install_exact_kernels() -> None:
         def sample(self, *args):
             return exact_sample(self, *args, vllm_sample=vllm_sample)
         sampler.Sampler.sample = sample
-    SAMPLED.installed = True
 
 
 def restore_block_table_pointers(worker) -> None:

@@ -919,9 +919,9 @@ DECODE_SIDES = ("decode-standard", "decode-exact-vllm-tiles", "decode-exact")
 def decode_side(side: str, args) -> dict:
     """Milliseconds per decode step of one engine (random weights of --shape): `standard` is vLLM's
     defaults (torch.compile and CUDA graphs) sampling from its own generator, the sampled tokens' logprobs
-    in vLLM's lists; the exact sides are simple_rl.VLLMEngine.generate (batch-invariant, V2 runner, CUDA graphs,
-    a seed per request, the logprobs kept on the GPU), with vLLM's tiles or tiled_linear's. A step's time is that of
-    16 + 512 new tokens less that of 16, over 512 steps (the median of 3 such pairs)."""
+    in vLLM's lists; the exact sides are simple_rl.VLLMEngine.generate (batch-invariant, V2 runner, CUDA
+    graphs, a seed per request, the logprobs kept on the GPU), with vLLM's tiles or tiled_linear's. A step's
+    time is that of 16 + 512 new tokens less that of 16, over 512 steps (the median of 3 such pairs)."""
     from vllm import SamplingParams, TokensPrompt
 
     directory = Path(tempfile.mkdtemp())

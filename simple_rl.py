@@ -467,8 +467,7 @@ class TransformerBlock(nn.Module):
     def forward(self, h, residual, positions, cos_sin_cache, cu_seqlens, max_seqlen: int):
         """(h, residual) of the layer below -> this layer's (h, residual), each (T, dim)."""
         ops = self.kernels
-        # vLLM normalises layer 0's input alone; every later norm first adds the residual (a bf16 add,
-        # then the norm: see `install_exact_kernels`).
+        # vLLM normalises layer 0's input alone; every later norm first adds the residual (a bf16 add).
         residual = h if residual is None else h + residual
         h = self.attention(ops.rms_norm(residual, self.attention_norm.weight, self.eps), positions,
                            cos_sin_cache, cu_seqlens, max_seqlen)
@@ -589,14 +588,12 @@ class VLLMEngine:
 
     def __init__(self, model_dir: Path, gpu_memory_utilization: float, max_model_len: int, seed: int,
                  cuda_graphs: bool = True, sleep_mode: bool = True, max_num_seqs: int = 256, **vllm_args):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in this process
+        self.exact = os.environ.get("VLLM_BATCH_INVARIANT") == "1"  # then V2's runner: less host work a step
+        os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER=str(int(self.exact)))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # quiet; =INFO brings vLLM's log back
-        # Exact: vLLM's V2 model runner (less of the host work that bounds a decode step), our sampler
-        self.v2 = os.environ.get("VLLM_BATCH_INVARIANT") == "1"
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = str(int(self.v2))
         import vllm
-        if self.v2:
-            install_exact_kernels()
+        if self.exact:
+            install_exact_kernels()  # V2's sampler among them: the trainer's ops, logprobs kept on the GPU
         graphs = {"compilation_config": CUDA_GRAPHS} if cuda_graphs else {"enforce_eager": True}
         self.llm = vllm.LLM(
             model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=seed,
@@ -612,7 +609,7 @@ class VLLMEngine:
                  stop_token_ids=(), ignore_eos: bool = False, top_k: int = 0, top_p: float = 1.0):
         """One completion per prompt: token ids, the fp32 logprob of each (T < 1e-5: greedy, vLLM's own)."""
         from vllm import SamplingParams, TokensPrompt
-        recorded = SAMPLED.installed and temperature >= 1e-5  # the exact sampler keeps these on the GPU
+        recorded = self.exact and temperature >= 1e-5  # the exact sampler keeps these on the GPU
         params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=n, seed=s,
                                  logprobs=None if recorded else 0, flat_logprobs=True, detokenize=False,
                                  stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
@@ -635,7 +632,7 @@ class VLLMEngine:
 
     def wake_up(self, tags: list[str]) -> None:
         self.llm.wake_up(tags=tags)  # the same addresses (CUDA graphs stay valid); contents not restored
-        if self.v2 and "kv_cache" in tags:
+        if self.exact and "kv_cache" in tags:
             self.llm.collective_rpc(restore_block_table_pointers)
 
     def push_weights(self, model: Qwen3) -> None:  # no disk: vLLM's `load_weights` fills its merged slots

@@ -200,7 +200,6 @@ def test_the_exact_sampler_draws_as_v1_and_keeps_each_tokens_logprob_where_its_r
     monkeypatch.setattr(gumbel, "gumbel_sample", keyed_gumbel_max)
     monkeypatch.setattr(v2_sampler, "gumbel_sample", lambda logits, *args, **kw: vllms.append(1) or logits.argmax(-1))
     install_exact_kernels()
-    assert SAMPLED.installed  # simple_rl.VLLMEngine.generate records from now on
     seeds, prompt_lens, vocab = [11, 2**62 + 3, 5, 40, 7], [3, 10, 4, 6, 2], 64
     states = SimpleNamespace(temperature=Uva([0.7] * 5, torch.float32), seeds=Uva(seeds, torch.int64))
 

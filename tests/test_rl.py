@@ -587,8 +587,8 @@ def test_the_rl_story_comes_first():
     assert not late, late
     assert all(defined[name] > banner for name in PLUMBING_ENTRY_POINTS)
     grpo = next(node for node in tree.body if getattr(node, "name", None) == "grpo")
-    assert banner <= 1053 and grpo.end_lineno - grpo.lineno + 1 <= 45
-    assert len(lines) <= 2100, f"simple_rl.py has {len(lines)} lines"
+    assert banner <= 1050 and grpo.end_lineno - grpo.lineno + 1 <= 45
+    assert len(lines) <= 2097, f"simple_rl.py has {len(lines)} lines"
     assert [n for n, line in enumerate(lines, 1) if len(line) > 110] == []
 
 
