@@ -1732,12 +1732,12 @@ def stack_versions() -> dict:
 
 
 def parity_record(args: Args, model: Qwen3, totals: dict) -> dict:
-    a, device = model.args, model.device
+    a, device, exact = model.args, model.device, os.environ.get("VLLM_BATCH_INVARIANT") == "1"
     sms = _num_sms(device) if device.type == "cuda" else 132  # an H100's, for a run on the CPU
     gemms = qwen3_gemms(a.dim, a.hidden_dim, a.n_heads, a.n_kv_heads, a.head_dim, a.vocab_size)
     tiles = {f"{name} rows={m}": list(matmul_tiles(m, n, sms).values())
              for name, (n, _) in gemms.items() for m in (1, 32, 256, 8192)}
-    kernels = {"batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1", "model_runner": "V1",
+    kernels = {"batch_invariant": exact, "model_runner": "V2" if exact else "V1",  # as VLLMEngine runs
                "cuda_graphs": CUDA_GRAPHS if args.engine.vllm_cuda_graphs else "eager",
                "matmul_tiles (BLOCK_M, BLOCK_N, warps, stages)": tiles}
     return {"stack": stack_versions(), "kernels": kernels, "sampling": asdict(args.sampling), **totals}

@@ -794,6 +794,7 @@ def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert record["tokens_checked"] == sum(e.value for e in events.Scalars("reward/completion_tokens_mean")) * 4
     assert record["stack"]["torch"] == torch.__version__ and record["sampling"]["temperature"] == 1.0
     assert "qkv rows=32" in record["kernels"]["matmul_tiles (BLOCK_M, BLOCK_N, warps, stages)"]
+    assert record["kernels"]["model_runner"] == ("V2" if record["kernels"]["batch_invariant"] else "V1")
 
 
 def test_top_k_top_p_run_reports_the_kept_set(tmp_path, monkeypatch):
