@@ -156,10 +156,21 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(x, dim=-1)
 
 
+def token_logprobs(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 (rows, V) logits, a token per row -> each token's `log_softmax` (its bits on CUDA, where
+    `split_token_logprobs` computes no other token's)."""
+    if x.is_cuda:
+        return split_token_logprobs(x, tokens)
+    return torch.log_softmax(x, dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
 # vLLM's batch-invariant log-softmax runs a program per row: 32 rows of a 32-sequence decode step keep 32 of
 # an H100's 132 SMs busy. The three kernels below split each row in chunks of 8 blocks and give its bits: a
 # row's max (exact in any order), each block's sum of exp (vLLM's `tl.sum` over the same 1,024-wide block, the
 # same ops), then those sums added one after another in block order, as vLLM's loop adds them.
+SOFTMAX_BLOCK, SOFTMAX_CHUNK = 1024, 8
+
+
 @triton.jit
 def _chunk_max_kernel(x, row_stride, n_cols, chunk_max, n_chunks,
                       BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
@@ -214,31 +225,67 @@ def _log_softmax_out_kernel(x, row_stride, out, out_row_stride, n_cols, chunk_ma
         tl.store(out + cols, vals - max_val - log_sum_exp, mask=mask)
 
 
-def split_log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """vLLM 0.20's batch-invariant `log_softmax` of fp32 `x` over its last dim, with its bits, each row split
-    over many programs (see the kernels above). simple_rl.py installs it for vLLM's sampler and the trainer;
-    tests/test_gpu.py checks the bits against vLLM's kernel."""
-    if dim not in (-1, x.dim() - 1) or x.dtype != torch.float32:
+@triton.jit
+def _token_logprob_kernel(x, row_stride, tokens, out, chunk_max, n_chunks, block_sums,
+                          CHUNKS: tl.constexpr, BLOCKS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    max_val = _row_max(chunk_max, row, n_chunks, CHUNKS)
+    sum_exp = 0.0
+    for b in tl.static_range(BLOCKS):  # `_log_softmax_out_kernel`'s sum and ops, for one column
+        sum_exp += tl.load(block_sums + row * BLOCKS + b)
+    log_sum_exp = tl.log(sum_exp)
+    val = tl.load(x + row * row_stride + tl.load(tokens + row))
+    tl.store(out + row, val - max_val - log_sum_exp)
+
+
+def _row_sums(x: torch.Tensor):
+    """fp32 (..., V) -> its rows (aligned as vLLM's kernel reads them), each chunk's max, each block's sum."""
+    if x.dtype != torch.float32:
         raise ValueError("split_log_softmax normalises fp32 rows over the last dimension only")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.data_ptr() % 16:  # vLLM's layout of a block follows its aligned output; ours, the input
         rows = rows.clone()
-    (n_rows, n_cols), block, chunk = rows.shape, 1024, 8
-    n_blocks = triton.cdiv(n_cols, block)
-    n_chunks = triton.cdiv(n_blocks, chunk)
-    out = torch.empty_like(rows)
-    if n_rows == 0 or n_cols == 0:
-        return out.reshape(x.shape)
+    n_rows, n_cols = rows.shape
+    n_blocks = triton.cdiv(n_cols, SOFTMAX_BLOCK)
+    n_chunks = triton.cdiv(n_blocks, SOFTMAX_CHUNK)
     chunk_max = rows.new_empty(n_rows, n_chunks)
     block_sums = rows.new_empty(n_rows, n_blocks)
-    grid, sizes = (n_rows, n_chunks), dict(BLOCK_SIZE=block, CHUNK=chunk)
-    chunks = triton.next_power_of_2(n_chunks)
-    _chunk_max_kernel[grid](rows, rows.stride(0), n_cols, chunk_max, n_chunks, **sizes)
-    _block_sums_kernel[grid](rows, rows.stride(0), n_cols, chunk_max, n_chunks, block_sums, n_blocks, **sizes,
-                             CHUNKS=chunks)
-    _log_softmax_out_kernel[grid](rows, rows.stride(0), out, out.stride(0), n_cols, chunk_max, n_chunks,
-                                  block_sums, **sizes, CHUNKS=chunks, BLOCKS=n_blocks)
+    if n_rows and n_cols:
+        grid, sizes = (n_rows, n_chunks), dict(BLOCK_SIZE=SOFTMAX_BLOCK, CHUNK=SOFTMAX_CHUNK)
+        _chunk_max_kernel[grid](rows, rows.stride(0), n_cols, chunk_max, n_chunks, **sizes)
+        _block_sums_kernel[grid](rows, rows.stride(0), n_cols, chunk_max, n_chunks, block_sums, n_blocks,
+                                 **sizes, CHUNKS=triton.next_power_of_2(n_chunks))
+    return rows, chunk_max, block_sums
+
+
+def split_log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """vLLM 0.20's batch-invariant `log_softmax` of fp32 `x` over its last dim, with its bits, each row split
+    over many programs (see the kernels above). simple_rl.py installs it for vLLM's sampler and the trainer;
+    tests/test_gpu.py checks the bits against vLLM's kernel."""
+    if dim not in (-1, x.dim() - 1):
+        raise ValueError("split_log_softmax normalises fp32 rows over the last dimension only")
+    rows, chunk_max, block_sums = _row_sums(x)
+    out = torch.empty_like(rows)
+    if out.numel():
+        (n_rows, n_chunks), n_blocks = chunk_max.shape, block_sums.shape[1]
+        _log_softmax_out_kernel[n_rows, n_chunks](
+            rows, rows.stride(0), out, out.stride(0), rows.shape[1], chunk_max, n_chunks, block_sums,
+            BLOCK_SIZE=SOFTMAX_BLOCK, CHUNK=SOFTMAX_CHUNK, CHUNKS=triton.next_power_of_2(n_chunks),
+            BLOCKS=n_blocks)
     return out.reshape(x.shape)
+
+
+def split_token_logprobs(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 (rows, V) logits, a token per row -> each token's log-softmax, the bits of
+    `split_log_softmax(x).gather(1, tokens[:, None])[:, 0]` without writing the (rows, V) result: the
+    sampler's processed logprob of each token drawn, for the cost of reading the logits twice."""
+    rows, chunk_max, block_sums = _row_sums(x)
+    out = rows.new_empty(len(rows))
+    if out.numel():
+        (n_rows, n_chunks), n_blocks = chunk_max.shape, block_sums.shape[1]
+        _token_logprob_kernel[(n_rows,)](rows, rows.stride(0), tokens.contiguous(), out, chunk_max, n_chunks,
+                                         block_sums, CHUNKS=triton.next_power_of_2(n_chunks), BLOCKS=n_blocks)
+    return out
 
 
 def entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
@@ -960,39 +1007,22 @@ REFERENCE = Kernels(
 CUDA_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # mode 0: CompilationMode.NONE
 
 
-def keyed_sample(probs: torch.Tensor, seeds: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
-    """A token per row of `probs` ((rows, V) fp32), all rows at once, by the Gumbel-max kernel of vLLM's V2
-    model runner (`gumbel_sample`): row i's noise is keyed by its request's seed and the number of tokens the
-    request drew before (`seeds`, `draws`: (rows,) int64 on the GPU), so a request draws the same token
-    whatever shares its step. The logprobs do not depend on the noise; which token is drawn does."""
-    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
-
-    rows = torch.arange(len(probs), dtype=torch.int32, device=probs.device)
-    ones = torch.ones(len(probs), dtype=torch.float32, device=probs.device)  # the temperature is applied
-    return gumbel_sample(probs.log_(), rows, ones, seeds, draws, apply_temperature=False)
-
-
 def exact_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids, expanded_local_pos, *,
                  vllm_sample: Callable):
-    """vLLM 0.20's V2 `Sampler.sample` (logits (rows, V) -> the tokens drawn, the processed logits) computed
-    as its V1 sampler computes it, the ops the trainer mirrors: the fp32 logits divided by T
-    (`divide_by_temperature`), top-k/p (`top_k_top_p`), the processed logprobs (log-softmax) and the
-    probabilities (softmax) of those, and a keyed draw from them (`keyed_sample`). A row's draw count is its
-    position less its prompt (a request preempted and recomputed draws its next count). vLLM discards the
-    draw of a prefill chunk before its last (a prompt's, or a recompute's), and `SAMPLED` does not keep it.
-    Greedy steps (T < 1e-5, as vLLM decides) are vLLM's own."""
-    if (self.sampling_states.temperature.np[idx_mapping_np] < 1e-5).any():
-        return vllm_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
-                           expanded_local_pos)
-    processed = self.apply_sampling_params(logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
-                                           expanded_local_pos)
-    logprobs = processed.log_softmax(dim=-1, dtype=torch.float32) if SAMPLED.tokens is not None else None
-    probs = processed.softmax(dim=-1, dtype=torch.float32)
-    requests, seeds = self.penalties_state.req_states, self.sampling_states.seeds.gpu[expanded_idx_mapping]
-    draws = pos - requests.prompt_len.gpu[expanded_idx_mapping] + 1
-    sampled = keyed_sample(probs, seeds, draws)
-    kept = pos >= requests.prefill_len.gpu[expanded_idx_mapping] - 1  # else a prefill chunk before its last
-    SAMPLED.record(seeds, torch.where(kept, draws, -1), sampled, logprobs)
+    """vLLM 0.20's V2 `Sampler.sample` (logits (rows, V) -> the tokens drawn, the processed logits): its own
+    Gumbel-max draw, keyed by each request's seed and position, from the logits processed by the ops the
+    trainer mirrors (`divide_by_temperature`, `top_k_top_p`). While `SAMPLED` records, each drawn token's
+    processed logprob (`token_logprobs`: the log-softmax's bits at that token, the trainer's) is kept in its
+    request's row, at its draw count (its position less its prompt). vLLM discards the draw of a prefill
+    chunk before its last (a prompt's, or a recompute's after preemption), and `SAMPLED` does not keep it."""
+    sampled, processed = vllm_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
+                                     expanded_local_pos)
+    if SAMPLED.tokens is not None:
+        at, requests = expanded_idx_mapping, self.penalties_state.req_states  # a row's request state slot
+        draws = pos - requests.prompt_len.gpu[at] + 1
+        kept = pos >= requests.prefill_len.gpu[at] - 1  # else a prefill chunk before its last
+        SAMPLED.record(self.sampling_states.seeds.gpu[at], torch.where(kept, draws, -1), sampled,
+                       token_logprobs(processed, sampled))
     return sampled, processed
 
 
@@ -1032,9 +1062,9 @@ class SampledLogprobs:
             self.seeds = self.rows = self.tokens = self.logprobs = None
 
     def record(self, seeds: torch.Tensor, draws: torch.Tensor, sampled: torch.Tensor,
-               logprobs: torch.Tensor | None) -> None:
+               logprobs: torch.Tensor) -> None:
         """A step's rows: each one's request seed and draw count (negative: a draw vLLM discards), the token
-        drawn, and the processed logprobs (rows, V). A request's draw count names its column."""
+        drawn and its processed logprob. A request's draw count names its column."""
         if self.tokens is None:
             return
         at = torch.searchsorted(self.seeds, seeds).clamp(max=len(self.seeds) - 1)
@@ -1042,7 +1072,7 @@ class SampledLogprobs:
         spare = self.tokens.shape[1] - 1
         columns, sampled = torch.where(draws < 0, spare, draws.clamp(max=spare)), sampled.long()
         self.tokens[rows, columns] = sampled
-        self.logprobs[rows, columns] = logprobs.gather(1, sampled[:, None])[:, 0]
+        self.logprobs[rows, columns] = logprobs
 
     def read(self, completions: list[list[int]]) -> list[torch.Tensor]:
         """Each completion's logprobs (fp32, CPU), once its tokens are checked against those recorded."""

@@ -552,24 +552,21 @@ def test_split_log_softmax_is_bitwise_vllms_log_softmax():
     print(f"\n[split_log_softmax] {checked} (vocabulary, rows, scale) cases bitwise vLLM's")
 
 
-def test_keyed_sampler_draws_each_requests_own_tokens_from_the_distribution():
-    """The sampler simple_rl.py installs in the engine (`keyed_sample`) draws every row at once, keyed by its
-    request's seed and draw count: a request gets the same token whatever shares its batch, in whatever
-    order; its next draw another; the tokens follow the distribution."""
-    from batch_invariant_backward import keyed_sample
+def test_a_drawn_tokens_logprob_is_the_log_softmaxs_bits():
+    """`split_token_logprobs`, which the engine's sampler runs for each token it draws, gives the bits of the
+    split log-softmax (vLLM's, by the test above) at that token, writing no (rows, V) tensor: 1 to 300 rows
+    of 151,936 columns and rows of 1,000 and 8,197, half of them cut by top-k (-inf), tokens drawn from them;
+    the same rows 4 bytes off a 16-byte boundary."""
+    from batch_invariant_backward import split_log_softmax, split_token_logprobs
 
-    n, vocab = 8192, 151936
-    p = torch.arange(1, 17, dtype=torch.float64) / 136  # 16 tokens of probability 1/136 to 16/136
-    probs = torch.zeros(n, vocab, device="cuda")
-    probs[:, 1000:1016] = p.float().cuda()
-    seeds = torch.arange(10**9, 10**9 + n, device="cuda")
-    draws = torch.zeros(n, dtype=torch.int64, device="cuda")
-    first = keyed_sample(probs.clone(), seeds, draws)
-    counts = torch.bincount(first - 1000, minlength=16).cpu().double()
-    expected = n * p
-    assert len(counts) == 16 and ((counts - expected).abs() <= 5 * (expected * (1 - p)).sqrt()).all(), counts
-    others = torch.arange(n - 1, -1, -3, device="cuda")  # a third of the requests, in reverse order
-    assert torch.equal(keyed_sample(probs[: len(others)].clone(), seeds[others], draws[others]), first[others])
-    second = keyed_sample(probs.clone(), seeds, draws + 1)
-    assert (second != first).float().mean() > 0.8  # the next draw: another token, mostly
-    assert torch.equal(keyed_sample(probs.clone(), seeds, draws + 1), second)
+    g = torch.Generator(device="cuda").manual_seed(61)
+    for rows, vocab in [(r, v) for r in (1, 7, 32, 256, 300) for v in (151936, 1000, 8197)]:
+        logits = 4 * torch.randn(rows, vocab, device="cuda", generator=g)
+        cut = torch.rand(rows, vocab, device="cuda", generator=g) < 0.9
+        cut[: rows // 2] = False
+        logits[cut] = float("-inf")
+        tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)[:, 0]
+        want = split_log_softmax(logits).gather(1, tokens[:, None])[:, 0].view(torch.int32)
+        off = torch.empty(rows * vocab + 1, device="cuda")[1:].view(rows, vocab).copy_(logits)
+        for x in (logits, off):
+            assert torch.equal(split_token_logprobs(x, tokens).view(torch.int32), want)
