@@ -149,8 +149,8 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise log-softmax (rows, V) fp32: on CUDA the bits of vLLM's batch-invariant Triton kernel, which
-    its sampler runs for the processed logprobs in batch-invariant mode (`split_log_softmax`, faster)."""
+    """Row-wise log-softmax (rows, V) fp32: on CUDA the bits of vLLM's batch-invariant Triton kernel
+    (`split_log_softmax`, faster), which the engine's sampler keeps at each drawn token (`token_logprobs`)."""
     if x.is_cuda:
         return split_log_softmax(x)
     return torch.log_softmax(x, dim=-1)
@@ -165,7 +165,7 @@ def token_logprobs(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # vLLM's batch-invariant log-softmax runs a program per row: 32 rows of a 32-sequence decode step keep 32 of
-# an H100's 132 SMs busy. The three kernels below split each row in chunks of 8 blocks and give its bits: a
+# an H100's 132 SMs busy. The kernels below split each row in chunks of 8 blocks and give its bits: a
 # row's max (exact in any order), each block's sum of exp (vLLM's `tl.sum` over the same 1,024-wide block, the
 # same ops), then those sums added one after another in block order, as vLLM's loop adds them.
 SOFTMAX_BLOCK, SOFTMAX_CHUNK = 1024, 8
@@ -241,7 +241,7 @@ def _token_logprob_kernel(x, row_stride, tokens, out, chunk_max, n_chunks, block
 def _row_sums(x: torch.Tensor):
     """fp32 (..., V) -> its rows (aligned as vLLM's kernel reads them), each chunk's max, each block's sum."""
     if x.dtype != torch.float32:
-        raise ValueError("split_log_softmax normalises fp32 rows over the last dimension only")
+        raise ValueError("the split log-softmax takes fp32 rows")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.data_ptr() % 16:  # vLLM's layout of a block follows its aligned output; ours, the input
         rows = rows.clone()
@@ -260,7 +260,7 @@ def _row_sums(x: torch.Tensor):
 
 def split_log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """vLLM 0.20's batch-invariant `log_softmax` of fp32 `x` over its last dim, with its bits, each row split
-    over many programs (see the kernels above). simple_rl.py installs it for vLLM's sampler and the trainer;
+    over many programs (see the kernels above), for the trainer, and for aten's in vLLM's process;
     tests/test_gpu.py checks the bits against vLLM's kernel."""
     if dim not in (-1, x.dim() - 1):
         raise ValueError("split_log_softmax normalises fp32 rows over the last dimension only")
@@ -281,7 +281,7 @@ def split_token_logprobs(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     sampler's processed logprob of each token drawn, for the cost of reading the logits twice."""
     rows, chunk_max, block_sums = _row_sums(x)
     out = rows.new_empty(len(rows))
-    if out.numel():
+    if block_sums.numel():
         (n_rows, n_chunks), n_blocks = chunk_max.shape, block_sums.shape[1]
         _token_logprob_kernel[(n_rows,)](rows, rows.stride(0), tokens.contiguous(), out, chunk_max, n_chunks,
                                          block_sums, CHUNKS=triton.next_power_of_2(n_chunks), BLOCKS=n_blocks)
@@ -1013,8 +1013,9 @@ def exact_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_
     Gumbel-max draw, keyed by each request's seed and position, from the logits processed by the ops the
     trainer mirrors (`divide_by_temperature`, `top_k_top_p`). While `SAMPLED` records, each drawn token's
     processed logprob (`token_logprobs`: the log-softmax's bits at that token, the trainer's) is kept in its
-    request's row, at its draw count (its position less its prompt). vLLM discards the draw of a prefill
-    chunk before its last (a prompt's, or a recompute's after preemption), and `SAMPLED` does not keep it."""
+    request's row, at its draw count (the tokens it drew before: position + 1 - prompt). vLLM discards the
+    draw of a prefill chunk before its last (a prompt's, or a recompute's after preemption), and `SAMPLED`
+    does not keep it."""
     sampled, processed = vllm_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
                                      expanded_local_pos)
     if SAMPLED.tokens is not None:
@@ -1112,7 +1113,7 @@ def install_exact_kernels() -> None:
     layernorm.rms_norm_batch_invariant = rms_norm_rows
     vllm_log_softmax = batch_invariant.log_softmax  # what aten's log-softmax runs on CUDA in this mode
     if getattr(vllm_log_softmax, "__module__", None) == batch_invariant.__name__:  # not installed yet
-        def log_softmax(x, dim=-1):  # fp32, as the sampler's and the trainer's are: ours; vLLM's otherwise
+        def log_softmax(x, dim=-1):  # fp32, as the trainer's are (its entropy backward): ours; else vLLM's
             return (split_log_softmax if x.dtype == torch.float32 else vllm_log_softmax)(x, dim)
         batch_invariant.log_softmax = log_softmax
     rotary.RotaryEmbeddingBase._match_cos_sin_cache_dtype = fp32_rotary_table

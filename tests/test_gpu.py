@@ -188,7 +188,7 @@ def test_logprobs_kept_on_the_gpu_are_the_trainers_and_vllms_tokens(served):
 
 def test_logprobs_kept_on_the_gpu_survive_preemption(tmp_path):
     """A KV cache of about 3,500 tokens for 64 requests of up to 656: vLLM preempts requests and recomputes
-    them (a request's draw count is its position less its prompt, so a recompute draws where it left off).
+    them (a request's noise is keyed by its position, so a recompute draws where it left off).
     The tokens are those of vLLM's own path, the logprobs kept on the GPU the trainer's, bit for bit."""
     from vllm import SamplingParams, TokensPrompt
 
@@ -555,8 +555,8 @@ def test_split_log_softmax_is_bitwise_vllms_log_softmax():
 def test_a_drawn_tokens_logprob_is_the_log_softmaxs_bits():
     """`split_token_logprobs`, which the engine's sampler runs for each token it draws, gives the bits of the
     split log-softmax (vLLM's, by the test above) at that token, writing no (rows, V) tensor: 1 to 300 rows
-    of 151,936 columns and rows of 1,000 and 8,197, half of them cut by top-k (-inf), tokens drawn from them;
-    the same rows 4 bytes off a 16-byte boundary."""
+    of 151,936 columns and rows of 1,000 and 8,197, all but the first half of them cut to a random tenth (-inf,
+    as top-k/p cut), tokens drawn from them; the same rows 4 bytes off a 16-byte boundary."""
     from batch_invariant_backward import split_log_softmax, split_token_logprobs
 
     g = torch.Generator(device="cuda").manual_seed(61)

@@ -182,7 +182,7 @@ def test_the_exact_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and
     request state is GPU-only (a stand-in here, as is the Triton Gumbel-max: a plain one keyed the same way,
     by each request's seed and position). The tokens are vLLM's draw from the logits divided by T as the
     trainer divides; the logprob kept is their log-softmax at the token, bit for bit, in its request's row at
-    its draw's column (its position less its prompt); a prompt chunk's draw is not kept, nor that of a
+    its draw's column (position + 1 - prompt); a prompt chunk's draw is not kept, nor that of a
     recompute's chunk before its last. Refused: tokens the sampler did not draw, a request with another seed,
     two requests with one seed."""
     from vllm.v1.worker.gpu.sample import sampler as v2_sampler
