@@ -849,27 +849,34 @@ def kernel_benchmark(args) -> dict:
 
 
 def norm_and_log_softmax_benchmark(shape: str, n_layers: int) -> dict:
-    """The two kernels simple_rl.py swaps for faster ones with the same bits (tests/test_gpu.py checks them):
-    a decode step's RMSNorms, vLLM's against `rms_norm_rows`, and the sampler's log-softmax over the
-    vocabulary (eager launches, as the sampler runs them), vLLM's against `split_log_softmax`."""
+    """The kernels simple_rl.py swaps for faster ones with the same bits (tests/test_gpu.py checks them): a
+    decode step's RMSNorms, vLLM's against `rms_norm_rows`; the log-softmax over the vocabulary (eager
+    launches), vLLM's against `split_log_softmax`; and each row's drawn token's logprob, vLLM V2's
+    (`compute_token_logprobs`, its `logprobs=0` path) against the exact sampler's `split_token_logprobs`."""
     import triton
     from vllm.model_executor.layers.batch_invariant import log_softmax
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
-    from batch_invariant_backward import rms_norm_rows, split_log_softmax
+    from batch_invariant_backward import rms_norm_rows, split_log_softmax, split_token_logprobs
 
-    out = {"norms_ms": {}, "log_softmax_ms": {}}
+    out = {"norms_ms": {}, "log_softmax_ms": {}, "token_logprobs_ms": {}}
     vocab = shape_config(shape)["vocab_size"]
-    print(f"\nOne decode step's RMSNorms ({n_layers} layers; CUDA graph replays) and the sampler's log-softmax "
-          f"over {vocab:,} columns: vLLM's against simple_rl.py's")
+    print(f"\nOne decode step's RMSNorms ({n_layers} layers; CUDA graph replays), the log-softmax over "
+          f"{vocab:,} columns, and the drawn tokens' logprobs: vLLM's against simple_rl.py's")
     print(f"  {'rows':>6}{'norms, vLLM':>14}{'rms_norm_rows':>15}{'ratio':>8}{'log-softmax, vLLM':>20}"
-          f"{'split':>10}{'ratio':>8}")
+          f"{'split':>10}{'ratio':>8}{'token logprobs, vLLM':>23}{'split':>10}{'ratio':>8}")
     for m in (32, 256):
         norms = [decode_norms_ms(shape, n_layers, m, norm) for norm in (vllm_norm, rms_norm_rows)]
         logits = torch.randn(m, vocab, device="cuda")
         softmaxes = [triton.testing.do_bench(lambda: fn(logits)) for fn in (log_softmax, split_log_softmax)]
+        tokens = torch.randint(0, vocab, (m,), device="cuda")
+        tokens_ms = [triton.testing.do_bench(lambda: compute_token_logprobs(logits, tokens[:, None])),
+                     triton.testing.do_bench(lambda: split_token_logprobs(logits, tokens))]
         out["norms_ms"][m], out["log_softmax_ms"][m] = norms, softmaxes
+        out["token_logprobs_ms"][m] = tokens_ms
         print(f"  {m:>6}{norms[0]:>11.3f} ms{norms[1]:>12.3f} ms{norms[1] / norms[0]:>7.2f}x"
-              f"{softmaxes[0]:>17.3f} ms{softmaxes[1]:>7.3f} ms{softmaxes[1] / softmaxes[0]:>7.2f}x")
+              f"{softmaxes[0]:>17.3f} ms{softmaxes[1]:>7.3f} ms{softmaxes[1] / softmaxes[0]:>7.2f}x"
+              f"{tokens_ms[0]:>20.3f} ms{tokens_ms[1]:>7.3f} ms{tokens_ms[1] / tokens_ms[0]:>7.2f}x")
     return out
 
 
