@@ -565,10 +565,14 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     summed = torch.empty_like(out) if residual is not None else out
     residual = residual.contiguous() if residual is not None else out  # unread without the add
     T, heads = rows.shape[0], rows.shape[1]
+    # vLLM's block: 1,024 columns over 4 warps, 8 a thread. A row of D <= 256 (a q/k head) lies in the first
+    # warp's lanes, and the other warps add zeros to its sum: one warp of 256 columns holds the same lanes
+    # and sums them in the same order (the same bits), at a quarter of the threads of T x heads programs.
+    block, warps = (256, 1) if D <= 256 else (1024, 4)
     if T * heads:
         _rms_norm_rows_kernel[(T * heads,)](rows, rows.stride(0), rows.stride(1), residual, summed, weight,
-                                            out, heads, D, eps, BLOCK_SIZE=1024,  # vLLM's: the sums' order
-                                            ADD=summed is not out)
+                                            out, heads, D, eps, BLOCK_SIZE=block, ADD=summed is not out,
+                                            num_warps=warps)
     return out if summed is out else (out, summed)
 
 

@@ -877,6 +877,9 @@ def norm_and_log_softmax_benchmark(shape: str, n_layers: int) -> dict:
         print(f"  {m:>6}{norms[0]:>11.3f} ms{norms[1]:>12.3f} ms{norms[1] / norms[0]:>7.2f}x"
               f"{softmaxes[0]:>17.3f} ms{softmaxes[1]:>7.3f} ms{softmaxes[1] / softmaxes[0]:>7.2f}x"
               f"{tokens_ms[0]:>20.3f} ms{tokens_ms[1]:>7.3f} ms{tokens_ms[1] / tokens_ms[0]:>7.2f}x")
+    m = 8192  # a training micro-batch's tokens: its forward runs these norms too
+    out["norms_ms"][m] = norms = [decode_norms_ms(shape, n_layers, m, norm) for norm in (vllm_norm, rms_norm_rows)]
+    print(f"  {m:>6}{norms[0]:>11.3f} ms{norms[1]:>12.3f} ms{norms[1] / norms[0]:>7.2f}x  (a micro-batch's forward)")
     return out
 
 
