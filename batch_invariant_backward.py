@@ -207,15 +207,20 @@ def _block_sums_kernel(x, row_stride, n_cols, chunk_max, n_chunks, block_sums, n
 
 
 @triton.jit
+def _row_max_and_log_sum_exp(chunk_max, row, n_chunks, block_sums,
+                             CHUNKS: tl.constexpr, BLOCKS: tl.constexpr):
+    sum_exp = 0.0
+    for b in tl.static_range(BLOCKS):  # unrolled (no loop to run); the adds go one after another, as vLLM's
+        sum_exp += tl.load(block_sums + row * BLOCKS + b)
+    return _row_max(chunk_max, row, n_chunks, CHUNKS), tl.log(sum_exp)
+
+
+@triton.jit
 def _log_softmax_out_kernel(x, row_stride, out, out_row_stride, n_cols, chunk_max, n_chunks, block_sums,
                             BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
                             BLOCKS: tl.constexpr):
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    max_val = _row_max(chunk_max, row, n_chunks, CHUNKS)
-    sum_exp = 0.0
-    for b in tl.static_range(BLOCKS):  # unrolled (no loop to run); the adds go one after another, as vLLM's
-        sum_exp += tl.load(block_sums + row * BLOCKS + b)
-    log_sum_exp = tl.log(sum_exp)
+    max_val, log_sum_exp = _row_max_and_log_sum_exp(chunk_max, row, n_chunks, block_sums, CHUNKS, BLOCKS)
     x += row * row_stride
     out += row * out_row_stride
     for b in range(CHUNK):
@@ -228,12 +233,8 @@ def _log_softmax_out_kernel(x, row_stride, out, out_row_stride, n_cols, chunk_ma
 @triton.jit
 def _token_logprob_kernel(x, row_stride, tokens, out, chunk_max, n_chunks, block_sums,
                           CHUNKS: tl.constexpr, BLOCKS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    max_val = _row_max(chunk_max, row, n_chunks, CHUNKS)
-    sum_exp = 0.0
-    for b in tl.static_range(BLOCKS):  # `_log_softmax_out_kernel`'s sum and ops, for one column
-        sum_exp += tl.load(block_sums + row * BLOCKS + b)
-    log_sum_exp = tl.log(sum_exp)
+    row = tl.program_id(0).to(tl.int64)  # `_log_softmax_out_kernel`'s ops, for one column
+    max_val, log_sum_exp = _row_max_and_log_sum_exp(chunk_max, row, n_chunks, block_sums, CHUNKS, BLOCKS)
     val = tl.load(x + row * row_stride + tl.load(tokens + row))
     tl.store(out + row, val - max_val - log_sum_exp)
 
