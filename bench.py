@@ -26,8 +26,8 @@ whole process; this one holds none). After its timed steps, each exact process g
 with --save-every 2 (--save-every here): a checkpoint at the next step (the process's first save) and at
 the third, their writes going on in the background beneath the steps after them. It reports each step that
 saves (its phases and what its save held training: waiting for the previous write if it had not ended,
-copying to host memory) and each step beneath a write against the median timed step, each write's seconds,
-the wait for the last write at the end, and the seconds the page-locked memory took to make at the start.
+copying to host memory) and each step beneath a write against the median timed step, each write's seconds
+and rate (a disk slower than the saves shows as waiting), the wait for the last write at the end, and the seconds the page-locked memory took to make at the start.
 Each timed step's median vLLM engine step is printed too, both sides, and the GPU time of the model's forward
 in it (CUDA events): the rest is vLLM's host work, which bounds a step at 256 sequences (H100: 7.4 ms of forward
 in steps of 9.5-15 ms, the host's speed moving by half between generations).
@@ -241,11 +241,12 @@ def saving_steps(step, checkpoints, first: int, every: int) -> dict:
         if i > first:
             out["writes"].append(checkpoints.ended - checkpoints.begun)
         checkpoints.save(i + 1, {})
-        out["saving"].append({"step": sum(times.values()), "held": waited + checkpoints.held})
+        out["saving"].append({"step": sum(times.values()), "held": waited + checkpoints.held, "waited": waited})
     start = time.perf_counter()
     checkpoints.wait()
     out["end_wait"] = time.perf_counter() - start
     out["writes"].append(checkpoints.ended - checkpoints.begun)
+    out["bytes"] = sum(f.stat().st_size for f in checkpoints.out_dir.rglob("*") if f.is_file())
     return out
 
 
@@ -256,6 +257,7 @@ def save_costs(run: dict) -> dict:
     saves = run["saves"]
     return {"saving": [s["step"] + s["held"] - plain for s in saves["saving"]],
             "beneath": [s - plain for s in saves["beneath"]], "held": [s["held"] for s in saves["saving"]],
+            "waited": [s["waited"] for s in saves["saving"]], "bytes": saves["bytes"],
             "writes": saves["writes"], "end_wait": saves["end_wait"], "pinning": run["pinning"]}
 
 
@@ -457,13 +459,17 @@ def save_lines(saves: list[dict], every: int) -> str:
     def seconds(values, sign="+"):
         return ", ".join(f"{v:{sign}.2f}" for v in values) + " s"
     lines = [f"  process {i + 1}, a checkpoint every {every} steps: a step that saves {seconds(c['saving'])} "
-             f"(the process's first save first; its save held training {seconds(c['held'], '')}), a step "
-             f"beneath a write {seconds(c['beneath'])}, over one that does neither; writes of "
-             + ", ".join(f"{w:.1f}" for w in c["writes"]) + f" s in the background, the end waited "
-             f"{c['end_wait']:.1f} s; page-locked memory made at the start in {c['pinning']:.1f} s"
+             f"(the process's first save first; its save held training {seconds(c['held'], '')}, waiting for "
+             f"the previous write {seconds(c['waited'], '')} of it), a step beneath a write "
+             f"{seconds(c['beneath'])}, over one that does neither; writes of {c['bytes'] / 1e9:.1f} GB in "
+             + ", ".join(f"{w:.1f}" for w in c["writes"]) + " s ("
+             + ", ".join(f"{c['bytes'] / 1e9 / w:.2f}" for w in c["writes"]) + " GB/s) in the background, "
+             f"the end waited {c['end_wait']:.1f} s; page-locked memory made at the start in {c['pinning']:.1f} s"
              for i, c in enumerate(saves)]
-    worst = max(extra for c in saves for extra in c["saving"])
-    return "\n".join(lines + [f"  the slowest step that saves: {worst:+.2f} s over one that does not"])
+    worst, waited = max((extra, w) for c in saves for extra, w in zip(c["saving"], c["waited"]))
+    why = (f" ({waited:.2f} s of it waiting for the previous write: this disk writes a checkpoint more slowly "
+           f"than {every} steps run)" if waited > 0.5 else "")
+    return "\n".join(lines + [f"  the slowest step that saves: {worst:+.2f} s over one that does not{why}"])
 
 
 def overlap_note(a: dict, b: dict) -> str:
@@ -931,7 +937,8 @@ def decode_side(side: str, args) -> dict:
     defaults (torch.compile and CUDA graphs) sampling from its own generator, the sampled tokens' logprobs
     in vLLM's lists; the exact sides are simple_rl.VLLMEngine.generate (batch-invariant, V2 runner, CUDA
     graphs, a seed per request, the logprobs kept on the GPU), with vLLM's tiles or tiled_linear's. A step's
-    time is that of 16 + 512 new tokens less that of 16, over 512 steps (the median of 3 such pairs)."""
+    time is that of 16 + 512 new tokens less that of 16, over 512 steps: 3 such pairs, their median the
+    figure and their lowest and highest its spread."""
     from vllm import SamplingParams, TokensPrompt
 
     directory = Path(tempfile.mkdtemp())
@@ -966,8 +973,8 @@ def decode_side(side: str, args) -> dict:
             return time.perf_counter() - start
 
         generate(16)
-        # The median of 3 (long - short) pairs: single pairs moved by up to 1.5x between runs (H100).
-        out[n] = statistics.median(generate(528) - generate(16) for _ in range(3)) / 512 * 1e3
+        # 3 (long - short) pairs: single pairs moved by up to 1.5x between runs (H100).
+        out[n] = [(generate(528) - generate(16)) / 512 * 1e3 for _ in range(3)]
         if args.profile and side in ("decode-exact", "decode-standard"):
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 wall = generate(64)
@@ -977,7 +984,7 @@ def decode_side(side: str, args) -> dict:
 
 
 def decode_benchmark(args) -> dict:
-    results = {}
+    results, spreads = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for side in args.decode or DECODE_SIDES:
             env = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
@@ -988,18 +995,25 @@ def decode_benchmark(args) -> dict:
                    "--vllm-gpu-memory", str(args.vllm_gpu_memory), *(["--profile"] if args.profile else []),
                    "--side", side, "--json", str(out)]
             subprocess.run(cmd, env=env, check=True)
-            ms = results[side.removeprefix("decode-")] = {int(n): t for n, t in json.loads(out.read_text()).items()}
+            pairs = {int(n): sorted(t) for n, t in json.loads(out.read_text()).items()}
+            name = side.removeprefix("decode-")
+            ms = results[name] = {n: statistics.median(t) for n, t in pairs.items()}
+            spreads[name] = {n: (t[0], t[-1]) for n, t in pairs.items()}
             # printed now too: a run cut short (a timeout, a failing side) still reports the sides it ran
             print(f"  {side}: " + ", ".join(f"{t:.2f} ms at {n} sequences" for n, t in ms.items()), flush=True)
-    print(f"\nA decode step, Qwen3-{args.shape} shape, {torch.cuda.get_device_name()}: ms per step")
-    print(f"  {'':<20}{'32 sequences':>14}{'256 sequences':>15}")
+    print(f"\nA decode step, Qwen3-{args.shape} shape, {torch.cuda.get_device_name()}: ms per step, the median of "
+          "3 (lowest-highest)")
+    print(f"  {'':<20}{'32 sequences':>20}{'256 sequences':>22}")
     for side, ms in results.items():
-        print(f"  {side:<20}" + "".join(f"{ms[n]:>11.2f} ms" for n in (32, 256)))
+        print(f"  {side:<20}" + "".join(f"{ms[n]:>8.2f} ({spreads[side][n][0]:.2f}-{spreads[side][n][1]:.2f})"
+                                       for n in (32, 256)))
     for n in (32, 256) if {"exact", "standard"} <= results.keys() else ():
         tiles = results.get("exact-vllm-tiles", {}).get(n)
+        (lo, hi), (lo_std, hi_std) = spreads["exact"][n], spreads["standard"][n]
         print(f"  exact / standard at {n}: {results['exact'][n] / results['standard'][n]:.2f}x"
-              + (f" (with vLLM's tiles: {tiles / results['standard'][n]:.2f}x)" if tiles else ""))
-    return results
+              + (f" (with vLLM's tiles: {tiles / results['standard'][n]:.2f}x)" if tiles else "")
+              + (" (the sides' spreads overlap)" if lo <= hi_std and lo_std <= hi else ""))
+    return results | {"spreads": spreads}
 
 
 def write_model(directory: Path, shape: str, gsm8k: Path, layers: int | None = None) -> None:

@@ -1788,8 +1788,12 @@ class Checkpoints(dcp.FileSystemWriter):
 
     def save(self, step: int, totals: dict, tensorboard=None) -> None:
         """Starts writing step_N; `held`: the seconds training waited (the last step waits for the write)."""
-        begun, args, world = time.perf_counter(), self.args, self.world
+        begun, args, world, writing = time.perf_counter(), self.args, self.world, Checkpoints.under_way
         self.wait()
+        if writing is self and world.is_main and (waited := time.perf_counter() - begun) > 1:  # a slow disk
+            print(f"checkpoint step_{step:06d} waited {waited:.1f} s for {self.out_dir.name}'s write "
+                  f"({self.ended - self.begun:.1f} s, against {begun - self.begun:.1f} s of steps between "
+                  "the saves): save less often (--save-every) or to a faster disk")
         self.out_dir = Path(args.run.output_dir) / args.run.run_name / f"step_{step:06d}"
         self.tmp = self.out_dir.with_name(f".{self.out_dir.name}.partial")
         if world.is_main:  # a partial folder a killed run left goes (DCP makes the new one, in its thread)
@@ -1913,11 +1917,7 @@ def log_to_file(run_name: str, verbose: bool, world: World) -> None:
     DCP's warnings), goes to runs/<run>/log.txt a line at a time, timestamped (log.rank<r>.txt on other
     ranks); with `verbose` (or VLLM_LOGGING_LEVEL=INFO) to the terminal too. The script's own lines are on
     stdout, its errors and any traceback on the terminal's stderr; an abort's Python stacks too."""
-    import atexit
-    import faulthandler
-    import marshal
-    import subprocess
-    import traceback
+    import atexit, faulthandler, marshal, subprocess, traceback
     global TERMINAL
     verbose = verbose or os.environ.get("VLLM_LOGGING_LEVEL", "").upper() == "INFO"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # all of vLLM's log: it goes to the file

@@ -68,14 +68,18 @@ def test_a_save_is_costed_against_the_steps_that_neither_save_nor_run_beneath_a_
     """A saving step costs its phases and what its save held training, over the process's median timed step
     (10.5 s here); the report's last line is the slowest saving step, the process's first save included."""
     run = process((6.0, 4.0), (6.4, 4.2)) | {"pinning": 12.0, "saves": {
-        "saving": [{"step": 10.6, "held": 1.5}, {"step": 10.8, "held": 2.0}], "beneath": [11.0, 10.5],
-        "writes": [9.0, 9.5], "end_wait": 4.0}}
+        "saving": [{"step": 10.6, "held": 1.5, "waited": 0.0}, {"step": 10.8, "held": 2.0, "waited": 1.5}],
+        "beneath": [11.0, 10.5], "writes": [9.0, 9.5], "end_wait": 4.0, "bytes": 19_000_000_000}}
     cost = bench.save_costs(run)
     assert cost["saving"] == pytest.approx([1.6, 2.3]) and cost["beneath"] == pytest.approx([0.5, 0.0])
     assert bench.combine([run, process((6.0, 4.0))])["saves"] == [cost]  # the standard side saves nothing
     lines = bench.save_lines([cost], 2).splitlines()
-    assert "a step that saves +1.60, +2.30 s" in lines[0] and "writes of 9.0, 9.5 s" in lines[0]
-    assert lines[-1] == "  the slowest step that saves: +2.30 s over one that does not"
+    assert "a step that saves +1.60, +2.30 s" in lines[0] and "waiting for the previous write 0.00, 1.50 s" in lines[0]
+    assert "writes of 19.0 GB in 9.0, 9.5 s (2.11, 2.00 GB/s)" in lines[0]
+    assert lines[-1] == ("  the slowest step that saves: +2.30 s over one that does not (1.50 s of it waiting for "
+                         "the previous write: this disk writes a checkpoint more slowly than 2 steps run)")
+    run["saves"]["saving"][1]["waited"] = 0.0  # the previous write had ended: nothing to explain
+    assert bench.save_lines([bench.save_costs(run)], 2).splitlines()[-1].endswith("over one that does not")
 
 
 def test_scaling_reports_strong_and_weak_scaling_and_the_trainers_cost_per_token():
@@ -107,10 +111,12 @@ def test_the_profile_tables_rank_kernels_by_gpu_time():
 
 def test_the_decode_table_gives_the_ratio_of_whichever_exact_sides_ran(monkeypatch, capsys):
     """`--decode decode-exact decode-standard` (the two sides the acceptance compares) prints exact / standard;
-    with all three sides, vLLM's tiles too. Each side's process is replaced by its JSON (ms at 32 / 256)."""
+    with all three sides, vLLM's tiles too. Each side's process is replaced by its JSON (3 timings in ms at
+    32 and at 256 sequences): the medians' ratio, and where the sides' lowest-highest ranges overlap, it says so."""
     import json
 
-    ms = {"decode-standard": (3.0, 8.0), "decode-exact": (3.6, 10.0), "decode-exact-vllm-tiles": (4.5, 12.0)}
+    ms = {"decode-standard": ([3.0, 2.9, 3.4], [8.0, 7.9, 8.1]), "decode-exact": ([3.6, 3.3, 3.7], [10.0, 9.0, 11]),
+          "decode-exact-vllm-tiles": ([4.5, 4.5, 4.5], [12.0, 12.0, 12.0])}
 
     def side(cmd, env, check):  # the side's process: its JSON
         times = ms[cmd[cmd.index("--side") + 1]]
@@ -120,6 +126,7 @@ def test_the_decode_table_gives_the_ratio_of_whichever_exact_sides_ran(monkeypat
     args = SimpleNamespace(shape="1.7b", layers=None, vllm_gpu_memory=0.5, profile=False)
     bench.decode_benchmark(SimpleNamespace(**vars(args), decode=["decode-exact", "decode-standard"]))
     out = capsys.readouterr().out
-    assert "exact / standard at 32: 1.20x\n" in out and "exact / standard at 256: 1.25x\n" in out
+    assert "exact / standard at 32: 1.20x (the sides' spreads overlap)\n" in out  # 3.3-3.7 against 2.9-3.4
+    assert "exact / standard at 256: 1.25x\n" in out and "    3.00 (2.90-3.40)    8.00 (7.90-8.10)" in out
     bench.decode_benchmark(SimpleNamespace(**vars(args), decode=None))
     assert "exact / standard at 256: 1.25x (with vLLM's tiles: 1.50x)" in capsys.readouterr().out

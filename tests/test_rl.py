@@ -1028,6 +1028,29 @@ def test_a_save_returns_as_its_write_goes_on_and_holds_the_state_of_its_step(tmp
     assert json.loads((out / "training_state" / "run.json").read_text())["step"] == 1
 
 
+def test_a_save_that_waits_for_the_last_write_says_the_disk_is_slower_than_the_saves(tmp_path, monkeypatch,
+                                                                                     capsys):
+    """Saves come faster than the disk writes them: the save that waits for the write before it says so in
+    one line, with the write's and the steps' seconds and what to change; one whose last write ended, not."""
+    checkpoints, _, _ = cpu_checkpoints(tmp_path, write_gsm8k_model(tmp_path / "model"))
+    totals, write_data = {"tokens_checked": 0, "mismatched_tokens": 0}, simple_rl.Checkpoints.write_data
+
+    def slow(*args):
+        time.sleep(1.5)
+        return write_data(*args)
+    monkeypatch.setattr(simple_rl.Checkpoints, "write_data", slow)
+    checkpoints.save(1, totals)
+    checkpoints.save(2, totals)  # step_000001 is still being written
+    checkpoints.wait()
+    waited = [line for line in capsys.readouterr().out.splitlines() if "waited" in line]
+    assert len(waited) == 1 and waited[0].startswith("checkpoint step_000002 waited ")
+    assert " s for step_000001's write (" in waited[0]
+    assert waited[0].endswith(" s of steps between the saves): save less often (--save-every) or to a faster disk")
+    checkpoints.save(3, totals)  # step_000002's write has ended
+    checkpoints.wait()
+    assert "waited" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("full_at", ["create_stream", "mkdir"])
 def test_a_full_disk_in_the_background_write_is_one_line_at_the_wait(tmp_path, monkeypatch, full_at):
     """A write that fails in its thread (the training state's file or folder: No space left on device) fails
