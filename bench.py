@@ -27,7 +27,8 @@ with --save-every 2 (--save-every here): a checkpoint at the next step (the proc
 the third, their writes going on in the background beneath the steps after them. It reports each step that
 saves (its phases and what its save held training: waiting for the previous write if it had not ended,
 copying to host memory) and each step beneath a write against the median timed step, each write's seconds
-and rate (a disk slower than the saves shows as waiting), the wait for the last write at the end, and the seconds the page-locked memory took to make at the start.
+and rate (a disk slower than the saves shows as waiting), the wait for the last write at the end, and the
+seconds the page-locked memory took to make at the start.
 Each timed step's median vLLM engine step is printed too, both sides, and the GPU time of the model's forward
 in it (CUDA events): the rest is vLLM's host work, which bounds a step at 256 sequences (H100: 7.4 ms of forward
 in steps of 9.5-15 ms, the host's speed moving by half between generations).
@@ -468,7 +469,7 @@ def save_lines(saves: list[dict], every: int) -> str:
              for i, c in enumerate(saves)]
     worst, waited = max((extra, w) for c in saves for extra, w in zip(c["saving"], c["waited"]))
     why = (f" ({waited:.2f} s of it waiting for the previous write: this disk writes a checkpoint more slowly "
-           f"than {every} steps run)" if waited > 0.5 else "")
+           f"than {every} steps run)" if waited > 1 else "")  # simple_rl.py's `save` says so from 1 s too
     return "\n".join(lines + [f"  the slowest step that saves: {worst:+.2f} s over one that does not{why}"])
 
 
