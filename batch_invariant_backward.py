@@ -169,6 +169,7 @@ def token_logprobs(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 # row's max (exact in any order), each block's sum of exp (vLLM's `tl.sum` over the same 1,024-wide block, the
 # same ops), then those sums added one after another in block order, as vLLM's loop adds them.
 SOFTMAX_BLOCK, SOFTMAX_CHUNK = 1024, 8
+ENTROPY_BLOCK = 2048  # both entropy kernels': each lane adds its columns in row order, then the lanes add
 
 
 @triton.jit
@@ -231,12 +232,20 @@ def _log_softmax_out_kernel(x, row_stride, out, out_row_stride, n_cols, chunk_ma
 
 
 @triton.jit
-def _token_logprob_kernel(x, row_stride, tokens, out, chunk_max, n_chunks, block_sums,
-                          CHUNKS: tl.constexpr, BLOCKS: tl.constexpr):
+def _token_logprob_kernel(x, row_stride, n_cols, tokens, out, entropy, chunk_max, n_chunks, block_sums,
+                          CHUNKS: tl.constexpr, BLOCKS: tl.constexpr, ENTROPY: tl.constexpr,
+                          ENTROPY_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # `_log_softmax_out_kernel`'s ops, for one column
     max_val, log_sum_exp = _row_max_and_log_sum_exp(chunk_max, row, n_chunks, block_sums, CHUNKS, BLOCKS)
-    val = tl.load(x + row * row_stride + tl.load(tokens + row))
-    tl.store(out + row, val - max_val - log_sum_exp)
+    x += row * row_stride
+    tl.store(out + row, tl.load(x + tl.load(tokens + row)) - max_val - log_sum_exp)
+    if ENTROPY:  # `_row_entropy_kernel`'s sum over the values `_log_softmax_out_kernel` would write
+        acc = tl.zeros([ENTROPY_BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, ENTROPY_BLOCK):
+            cols = start + tl.arange(0, ENTROPY_BLOCK)
+            lp = tl.load(x + cols, mask=cols < n_cols, other=float("-inf")) - max_val - log_sum_exp
+            acc += tl.where(lp == float("-inf"), 0.0, -tl.exp(lp) * lp)
+        tl.store(entropy + row, tl.sum(acc, axis=0))
 
 
 def _row_sums(x: torch.Tensor):
@@ -280,13 +289,25 @@ def split_token_logprobs(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """fp32 (rows, V) logits, a token per row -> each token's log-softmax, the bits of
     `split_log_softmax(x).gather(1, tokens[:, None])[:, 0]` without writing the (rows, V) result: the
     sampler's processed logprob of each token drawn, for the cost of reading the logits twice."""
+    return _split_token_logprobs(x, tokens, with_entropy=False)[0]
+
+
+def split_token_logprobs_and_entropy(x: torch.Tensor, tokens: torch.Tensor):
+    """`split_token_logprobs` and, in the same programs, a third read of the logits: each row's entropy, the
+    bits of `row_entropy(split_log_softmax(x))`, the (rows, V) logprobs never written (the trainer's
+    forward: one pass over the logits where writing and reading them back took three)."""
+    return _split_token_logprobs(x, tokens, with_entropy=True)
+
+
+def _split_token_logprobs(x: torch.Tensor, tokens: torch.Tensor, with_entropy: bool):
     rows, chunk_max, block_sums = _row_sums(x)
-    out = rows.new_empty(len(rows))
+    out, entropy = rows.new_empty(len(rows)), rows.new_empty(len(rows) if with_entropy else 0)
     if block_sums.numel():
         (n_rows, n_chunks), n_blocks = chunk_max.shape, block_sums.shape[1]
-        _token_logprob_kernel[(n_rows,)](rows, rows.stride(0), tokens.contiguous(), out, chunk_max, n_chunks,
-                                         block_sums, CHUNKS=triton.next_power_of_2(n_chunks), BLOCKS=n_blocks)
-    return out
+        _token_logprob_kernel[(n_rows,)](rows, rows.stride(0), rows.shape[1], tokens.contiguous(), out, entropy,
+                                         chunk_max, n_chunks, block_sums, CHUNKS=triton.next_power_of_2(n_chunks),
+                                         BLOCKS=n_blocks, ENTROPY=with_entropy, ENTROPY_BLOCK=ENTROPY_BLOCK)
+    return out, entropy
 
 
 def entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
@@ -313,7 +334,7 @@ def row_entropy(logprobs: torch.Tensor) -> torch.Tensor:
     fixed order: deterministic)."""
     logprobs = logprobs.contiguous()
     entropy = logprobs.new_empty(logprobs.shape[0])
-    _row_entropy_kernel[(len(entropy),)](logprobs, entropy, logprobs.shape[1], BLOCK=2048)
+    _row_entropy_kernel[(len(entropy),)](logprobs, entropy, logprobs.shape[1], BLOCK=ENTROPY_BLOCK)
     return entropy
 
 
@@ -328,6 +349,8 @@ def sampled_distribution(logits, targets, temperature: torch.Tensor | None, top_
         before = torch.logsumexp(x, dim=-1)
         x = truncated(x, top_k, top_p)
         kept, cut = (x > float("-inf")).sum(-1), 1 - torch.exp(torch.logsumexp(x, dim=-1) - before)
+    if x.is_cuda and not x.requires_grad:  # the (rows, V) logprobs never written
+        return *split_token_logprobs_and_entropy(x, targets), kept, cut
     logprobs = log_softmax(x)
     return logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy_of(logprobs), kept, cut
 
@@ -870,8 +893,8 @@ class LMHeadLogprobs(torch.autograd.Function):
     """lm_head and the sampler's logprobs, fused. `tiled_linear` gives the bf16 logits z of all rows
     (vLLM's lm_head). Then, a chunk of rows at a time, `sampled_distribution` makes them what vLLM's sampler
     samples from (divided by the temperature, top-k/top-p masked), and vLLM's batch-invariant log-softmax (its
-    bits, `log_softmax`) gives each target's logprob under that distribution (vLLM's processed logprobs), and
-    the entropy.
+    bits; on CUDA `split_token_logprobs_and_entropy`, which writes no (rows, V) logprobs) gives each target's
+    logprob under that distribution (vLLM's processed logprobs), and the entropy.
     The kernels compute a row the same way whatever the other rows, so chunking changes no bit. Only the
     bf16 (C, V) logits are kept for the backward: the fp32 (rows, V) temporaries exist for one chunk at
     a time, never for the whole micro-batch.

@@ -154,8 +154,8 @@ def test_triton_kernels_under_tritons_interpreter():
     (a token at over 120 positions, others at none), the RMSNorm (of rows, of a bf16 add, of heads read in
     place) and its backward (a program over several tiles in the last case) within one or two bf16 units in
     the last place (the interpreter rounds to bf16 by truncation); the entropy of logprobs and the split
-    log-softmax, with a top-k cut (-inf), within fp32 rounding, and a token's logprob bit for bit the split
-    log-softmax's; NaN for a row holding a NaN.
+    log-softmax, with a top-k cut (-inf), within fp32 rounding, and a token's logprob and the row's entropy bit
+    for bit the split log-softmax's; NaN for a row holding a NaN.
     (tests/test_gpu.py checks the bits of the norm and the log-softmax against vLLM's.)"""
     check = """
 import torch, batch_invariant_backward as bib
@@ -193,6 +193,9 @@ for rows in (x, off):  # a token's logprob: the bits of the whole row's
     tokens = torch.randint(0, 20000, (len(rows),))
     want = bib.split_log_softmax(rows).gather(1, tokens[:, None])[:, 0]
     assert torch.equal(bib.split_token_logprobs(rows, tokens).view(torch.int32), want.view(torch.int32))
+    logprobs, entropy = bib.split_token_logprobs_and_entropy(rows, tokens)  # and the entropy: the same bits
+    assert torch.equal(logprobs.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(entropy.view(torch.int32), bib.row_entropy(bib.split_log_softmax(rows)).view(torch.int32))
 x[0] = float("-inf")
 assert bib.split_log_softmax(x)[0].isnan().all()  # as vLLM's: -inf - -inf
 

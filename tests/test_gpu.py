@@ -556,8 +556,10 @@ def test_a_drawn_tokens_logprob_is_the_log_softmaxs_bits():
     """`split_token_logprobs`, which the engine's sampler runs for each token it draws, gives the bits of the
     split log-softmax (vLLM's, by the test above) at that token, writing no (rows, V) tensor: 1 to 300 rows
     of 151,936 columns and rows of 1,000 and 8,197, all but the first half of them cut to a random tenth (-inf,
-    as top-k/p cut), tokens drawn from them; the same rows 4 bytes off a 16-byte boundary."""
-    from batch_invariant_backward import split_log_softmax, split_token_logprobs
+    as top-k/p cut), tokens drawn from them; the same rows 4 bytes off a 16-byte boundary. The trainer's
+    forward, which also sums the entropy in those programs, gives the same logprobs and `row_entropy`'s bits."""
+    from batch_invariant_backward import (row_entropy, split_log_softmax, split_token_logprobs,
+                                          split_token_logprobs_and_entropy)
 
     g = torch.Generator(device="cuda").manual_seed(61)
     for rows, vocab in [(r, v) for r in (1, 7, 32, 256, 300) for v in (151936, 1000, 8197)]:
@@ -567,6 +569,9 @@ def test_a_drawn_tokens_logprob_is_the_log_softmaxs_bits():
         logits[cut] = float("-inf")
         tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)[:, 0]
         want = split_log_softmax(logits).gather(1, tokens[:, None])[:, 0].view(torch.int32)
+        entropy = row_entropy(split_log_softmax(logits)).view(torch.int32)
         off = torch.empty(rows * vocab + 1, device="cuda")[1:].view(rows, vocab).copy_(logits)
         for x in (logits, off):
             assert torch.equal(split_token_logprobs(x, tokens).view(torch.int32), want)
+            both = split_token_logprobs_and_entropy(x, tokens)
+            assert torch.equal(both[0].view(torch.int32), want) and torch.equal(both[1].view(torch.int32), entropy)
