@@ -301,7 +301,8 @@ def split_token_logprobs_and_entropy(x: torch.Tensor, tokens: torch.Tensor):
 
 def _split_token_logprobs(x: torch.Tensor, tokens: torch.Tensor, with_entropy: bool):
     rows, chunk_max, block_sums = _row_sums(x)
-    out, entropy = rows.new_empty(len(rows)), rows.new_empty(len(rows) if with_entropy else 0)
+    out = rows.new_empty(len(rows))
+    entropy = rows.new_empty(len(rows)) if with_entropy else out  # unwritten without: no null pointer
     if block_sums.numel():
         (n_rows, n_chunks), n_blocks = chunk_max.shape, block_sums.shape[1]
         _token_logprob_kernel[(n_rows,)](rows, rows.stride(0), rows.shape[1], tokens.contiguous(), out, entropy,
