@@ -305,9 +305,10 @@ def _split_token_logprobs(x: torch.Tensor, tokens: torch.Tensor, with_entropy: b
     entropy = rows.new_empty(len(rows)) if with_entropy else out  # unwritten without: no null pointer
     if block_sums.numel():
         (n_rows, n_chunks), n_blocks = chunk_max.shape, block_sums.shape[1]
-        _token_logprob_kernel[(n_rows,)](rows, rows.stride(0), rows.shape[1], tokens.contiguous(), out, entropy,
-                                         chunk_max, n_chunks, block_sums, CHUNKS=triton.next_power_of_2(n_chunks),
-                                         BLOCKS=n_blocks, ENTROPY=with_entropy, ENTROPY_BLOCK=ENTROPY_BLOCK)
+        _token_logprob_kernel[(n_rows,)](rows, rows.stride(0), rows.shape[1], tokens.contiguous(), out,
+                                         entropy, chunk_max, n_chunks, block_sums,
+                                         CHUNKS=triton.next_power_of_2(n_chunks), BLOCKS=n_blocks,
+                                         ENTROPY=with_entropy, ENTROPY_BLOCK=ENTROPY_BLOCK)
     return out, entropy
 
 

@@ -23,12 +23,13 @@ standard, exact, exact, standard; each process runs one warm-up step and --iters
 side's figures are the medians over the timed steps of both its processes. Peak GPU memory is the
 whole device's, as nvidia-smi reports it every 20 ms (vLLM, the trainer and the CUDA context: the
 whole process; this one holds none). After its timed steps, each exact process goes on as the script does
-with --save-every 2 (--save-every here): a checkpoint at the next step (the process's first save) and at
-the third, their writes going on in the background beneath the steps after them. It reports each step that
-saves (its phases and what its save held training: waiting for the previous write if it had not ended,
-copying to host memory) and each step beneath a write against the median timed step, each write's seconds
-and rate (a disk slower than the saves shows as waiting), the wait for the last write at the end, and the
-seconds the page-locked memory took to make at the start.
+with --save-every 4 (--save-every here): a checkpoint at the next step (the process's first save) and 4
+steps later, their writes going on in the background beneath the steps after them (at 4, an H100 machine's
+0.9 GB/s disk ends the 1.7B shape's 24 GB write before the next save; at 2 it does not). It reports each
+step that saves (its phases and what its save held training: waiting for the previous write if it had not
+ended, copying to host memory) and each step beneath a write against the median timed step, each write's
+seconds and rate (a disk slower than the saves shows as waiting), the wait for the last write at the end,
+and the seconds the page-locked memory took to make at the start.
 Each timed step's median vLLM engine step is printed too, both sides, and the GPU time of the model's forward
 in it (CUDA events): the rest is vLLM's host work, which bounds a step at 256 sequences (H100: 7.4 ms of forward
 in steps of 9.5-15 ms, the host's speed moving by half between generations).
@@ -1045,7 +1046,7 @@ def main():
     step.add_argument("--activation-checkpointing", action="store_true")
     step.add_argument("--repeats", type=int, choices=[1, 2], default=2,
                       help="2: the sides run standard, exact, exact, standard; 1: standard, exact")
-    step.add_argument("--save-every", type=int, default=2,
+    step.add_argument("--save-every", type=int, default=4,
                       help="the exact side's 2 saves after its timed steps: this many steps apart")
     step.add_argument("--seeded-standard", action="store_true",
                       help="the standard side seeds each request too (vLLM 0.20 then draws noise per request)")
