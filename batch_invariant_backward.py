@@ -47,9 +47,13 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)  # (T, K) @ (N, K)^T -> (T, N)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None):
     # vLLM's Triton kernel: fp32 sum of squares per row, x * rsqrt(mean + eps) * w in fp32,
-    # one rounding to the input dtype at the end.
+    # one rounding to the input dtype at the end. With `residual`: (the norm of x + residual, the sum).
+    if residual is not None:
+        summed = x + residual
+        return rms_norm_reference(summed, weight, eps), summed
     xf = x.to(_acc(x.dtype))
     inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * inv_rms * weight.to(xf.dtype)).to(x.dtype)
@@ -449,48 +453,68 @@ class Embedding(torch.autograd.Function):
     sum of the output gradients at the positions holding its token. PyTorch's CUDA kernel for it
     (`embedding_dense_backward`) rests on CUB algorithms that are not deterministic (pytorch/pytorch#101890,
     #102628): in the offline demo's GRPO steps, repeats on the same input gave other last bits. So on CUDA,
-    `embedding_grad` sums each row in a fixed order; on the CPU, `index_add_`."""
+    `embedding_grad` sums each row in a fixed order (and if the weight has an fp32 sum of its gradient,
+    `main_grad`, adds each row's bf16 rounding to it in the same kernel, as `weight_grad` does for a
+    linear's); on the CPU, `index_add_`."""
 
     @staticmethod
     def forward(ctx, tokens, weight):
         ctx.save_for_backward(tokens)
-        ctx.rows = weight.shape[0]
+        ctx.weight = weight  # the parameter, for its `main_grad`
         return F.embedding(tokens, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
         (tokens,) = ctx.saved_tensors
         if grad_out.is_cuda:
-            return None, embedding_grad(grad_out, tokens, ctx.rows)
+            main_grad = getattr(ctx.weight, "main_grad", None)
+            return None, embedding_grad(grad_out, tokens, ctx.weight.shape[0], main_grad)
         acc, dim = _acc(grad_out.dtype), grad_out.shape[-1]
-        grad = grad_out.new_zeros(ctx.rows, dim, dtype=acc)
+        grad = grad_out.new_zeros(ctx.weight.shape[0], dim, dtype=acc)
         grad.index_add_(0, tokens.reshape(-1), grad_out.reshape(-1, dim).to(acc))
         return None, grad.to(grad_out.dtype)
 
 
 @triton.jit
-def _embedding_grad_kernel(grad_out, order, bounds, grad, D, BLOCK: tl.constexpr):
-    # One vocabulary row's block of BLOCK columns: the sum over the positions of its token, in their order.
+def _embedding_grad_kernel(grad_out, order, bounds, grad, D, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    # One vocabulary row's block of BLOCK columns: the sum over the positions of its token, in their order;
+    # with ADD, `grad` is the weight's fp32 sum, and the sum's bf16 rounding is added to it.
     row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    start, end = tl.load(bounds + row), tl.load(bounds + row + 1)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(tl.load(bounds + row), tl.load(bounds + row + 1)):
+    for i in range(start, end):
         acc += tl.load(grad_out + tl.load(order + i) * D + cols, mask=cols < D).to(tl.float32)
-    tl.store(grad + row * D + cols, acc.to(grad.dtype.element_ty), mask=cols < D)
+    rounded = acc.to(grad_out.dtype.element_ty)
+    if ADD:  # an absent token's row would add +0, which changes no sum of adds begun at +0: skipped
+        if end > start:
+            total = tl.load(grad + row * D + cols, mask=cols < D) + rounded.to(tl.float32)
+            tl.store(grad + row * D + cols, total, mask=cols < D)
+    else:
+        tl.store(grad + row * D + cols, rounded, mask=cols < D)
 
 
-def embedding_grad(grad_out: torch.Tensor, tokens: torch.Tensor, rows: int) -> torch.Tensor:
+def embedding_grad(grad_out: torch.Tensor, tokens: torch.Tensor, rows: int,
+                   main_grad: torch.Tensor | None = None) -> torch.Tensor | None:
     """The embedding's (rows, D) weight gradient on CUDA, the same bits on every run: a stable sort lists each
     token's positions in order, then a program per (vocabulary row, block of columns) sums them in fp32 and
-    rounds once (a row whose token is absent gets 0)."""
+    rounds once (a row whose token is absent gets 0). With `main_grad` (the weight's fp32 gradient sum), each
+    rounded row is added to it, what `MasterWeights.fold` would add, and None returned: no (rows, D) gradient
+    is written and read back."""
     D = grad_out.shape[-1]
+    if main_grad is not None and (main_grad.shape != (rows, D) or main_grad.dtype != torch.float32
+                                  or not main_grad.is_contiguous() or main_grad.device != grad_out.device):
+        raise ValueError(f"embedding_grad: main_grad must be a contiguous fp32 ({rows}, {D}) on "
+                         f"{grad_out.device}, not {tuple(main_grad.shape)} {main_grad.dtype} on "
+                         f"{main_grad.device}")
     grad_out = grad_out.reshape(-1, D).contiguous()
     sorted_tokens, order = torch.sort(tokens.reshape(-1), stable=True)
     ids = torch.arange(rows + 1, dtype=tokens.dtype, device=tokens.device)
     bounds = torch.searchsorted(sorted_tokens, ids)  # row r's positions: order[bounds[r]:bounds[r + 1]]
-    grad = grad_out.new_empty(rows, D)
+    grad = grad_out.new_empty(rows, D) if main_grad is None else main_grad
     block = min(1024, triton.next_power_of_2(D))
-    _embedding_grad_kernel[(rows, triton.cdiv(D, block))](grad_out, order, bounds, grad, D, BLOCK=block)
-    return grad
+    _embedding_grad_kernel[(rows, triton.cdiv(D, block))](grad_out, order, bounds, grad, D, BLOCK=block,
+                                                          ADD=grad is main_grad)
+    return None if grad is main_grad else grad
 
 
 def weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor):
@@ -604,41 +628,50 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
 
 class BatchInvariantRMSNorm(torch.autograd.Function):
     """`rms_norm_batch_invariant`: vLLM's Triton RMSNorm, one program per row (`rms_norm_rows`: its bits).
-    With the fused add+norm replaced by a bf16 add and this kernel (`install_exact_kernels`), it is every norm
-    of the model.
+    With the fused add+norm replaced by this kernel with the add in front (`install_exact_kernels`), it is
+    every norm of the model. With `residual`: (norm(x + residual), x + residual), the bf16 add fused in.
     Backward, with r = rsqrt(mean(x^2) + eps) and gw = dy * w:
     dx = r * (gw - x * r^2 * mean(gw * x)), dw = sum over rows of dy * x * r; on CUDA in one Triton pass
-    (`rms_norm_backward`), on the CPU in plain PyTorch."""
+    (`rms_norm_backward`), on the CPU in plain PyTorch. With the add, the sum's own gradient (from the layers
+    above) is added to dx as autograd's bf16 add would, and the total is the gradient of x and of residual."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
+    def forward(ctx, x, weight, eps, residual=None):
+        ctx.eps, ctx.add = eps, residual is not None
+        ctx.set_materialize_grads(False)  # an unused output's gradient is None, not zeros to add
         if x.is_cuda:
-            return rms_norm_rows(x, weight, eps)  # vLLM's norm, its bits
-        return rms_norm_reference(x, weight, eps)
+            out = rms_norm_rows(x, weight, eps, residual)  # vLLM's add and norm, their bits
+        else:
+            out = rms_norm_reference(x, weight, eps, residual)
+        ctx.save_for_backward(out[1] if ctx.add else x, weight)
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_summed=None):
         x, weight = ctx.saved_tensors
+        if grad_out is None:  # only the sum is used (or nothing): its gradient goes on to x and residual
+            return grad_summed, None, None, grad_summed
         if x.is_cuda:
-            return (*rms_norm_backward(grad_out, x, weight, ctx.eps), None)
-        acc = _acc(x.dtype)
-        xf, g = x.to(acc), grad_out.to(acc)
-        inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        gw = g * weight.to(acc)
-        grad_x = inv_rms * (gw - xf * inv_rms.pow(2) * (gw * xf).mean(-1, keepdim=True))
-        grad_w = (g * xf * inv_rms).reshape(-1, x.shape[-1]).sum(0)
-        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+            grad_x, grad_w = rms_norm_backward(grad_out, x, weight, ctx.eps, grad_summed)
+        else:
+            acc = _acc(x.dtype)
+            xf, g = x.to(acc), grad_out.to(acc)
+            inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+            gw = g * weight.to(acc)
+            grad_x = (inv_rms * (gw - xf * inv_rms.pow(2) * (gw * xf).mean(-1, keepdim=True))).to(x.dtype)
+            grad_w = (g * xf * inv_rms).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+            grad_x = grad_x if grad_summed is None else grad_x + grad_summed
+        return grad_x, grad_w, None, grad_x if ctx.add else None
 
 
 @triton.jit
-def _rms_norm_backward_kernel(grad_out, x, x_row_stride, x_head_stride, weight, grad_x, partial_grad_w,
-                              heads, n_rows, n_cols, eps, tiles_per_program,
-                              ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_backward_kernel(grad_out, x, x_row_stride, x_head_stride, weight, grad_summed, grad_x,
+                              partial_grad_w, heads, n_rows, n_cols, eps, tiles_per_program,
+                              ROWS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
     """Tiles of ROWS whole rows (row = a (token, head) of a strided (T, heads, D) `x`), `tiles_per_program`
-    consecutive ones a program: each row's dx in fp32, rounded once; the program's fp32 sum of dy * x * r
-    over its rows, stored as its row of `partial_grad_w`."""
+    consecutive ones a program: each row's dx in fp32, rounded once (with ADD, then added to `grad_summed`'s
+    row in fp32 and rounded again: a bf16 add); the program's fp32 sum of dy * x * r over its rows, stored as
+    its row of `partial_grad_w`."""
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
     w = tl.load(weight + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -653,21 +686,31 @@ def _rms_norm_backward_kernel(grad_out, x, x_row_stride, x_head_stride, weight, 
         r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
         gw = dy * w[None, :]
         mean_gw_x = tl.sum(gw * xf, axis=1) / n_cols
-        dx = r[:, None] * (gw - xf * (r * r * mean_gw_x)[:, None])
-        tl.store(grad_x + rows[:, None] * n_cols + cols[None, :], dx.to(grad_x.dtype.element_ty), mask=mask)
+        dx = (r[:, None] * (gw - xf * (r * r * mean_gw_x)[:, None])).to(grad_x.dtype.element_ty)
+        if ADD:
+            other = tl.load(grad_summed + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+            dx = (dx.to(tl.float32) + other.to(tl.float32)).to(grad_x.dtype.element_ty)
+        tl.store(grad_x + rows[:, None] * n_cols + cols[None, :], dx, mask=mask)
         grad_w += tl.sum(dy * xf * r[:, None], axis=0)
     tl.store(partial_grad_w + tl.program_id(0).to(tl.int64) * n_cols + cols, grad_w, mask=col_mask)
 
 
-def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      grad_summed: torch.Tensor | None = None):
     """(dx, dw) of the RMSNorm of `x` (..., D) (q/k heads: a strided (T, heads, D) view, read in place) in
-    one pass over x and dy: r recomputed in fp32, dx rounded once. Each program sums dw over a fixed run of
-    rows; the runs' sums are then added by `torch.sum` (a fixed order): the same bits on every call of a
-    shape. It replaced PyTorch's fused RMSNorm backward (its norm forward again for r, then two kernels)."""
+    one pass over x and dy: r recomputed in fp32, dx rounded once; with `grad_summed` (x's gradient from its
+    other uses, when x is a residual sum), dx + grad_summed, the bf16 add autograd would make. Each program
+    sums dw over a fixed run of rows; the runs' sums are then added by `torch.sum` (a fixed order): the same
+    bits on every call of a shape. It replaced PyTorch's fused RMSNorm backward (its norm forward again for
+    r, then two kernels)."""
     if not eps > 0:  # a tile's rows past the last have x = 0: r would be inf there, and dw NaN
         raise ValueError(f"rms_norm_backward: eps must be > 0, not {eps}")
     D, rows_view = x.shape[-1], head_rows(x)
-    grad_out = grad_out.contiguous()
+    if grad_summed is not None and (grad_summed.shape, grad_summed.dtype) != (x.shape, x.dtype):
+        raise ValueError(f"rms_norm_backward: grad_summed {tuple(grad_summed.shape)} {grad_summed.dtype}, "
+                         f"x {tuple(x.shape)} {x.dtype}")
+    grad_out, add = grad_out.contiguous(), grad_summed is not None
+    grad_summed = grad_summed.contiguous() if add else grad_out  # unread without the add
     n_rows, heads = rows_view.shape[0] * rows_view.shape[1], rows_view.shape[1]
     block = triton.next_power_of_2(D)
     tile = max(1, 4096 // block)  # rows a tile: ~4k elements, whole rows
@@ -678,9 +721,9 @@ def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     partial = torch.empty(programs, D, dtype=torch.float32, device=x.device)
     if n_rows:
         _rms_norm_backward_kernel[(programs,)](grad_out, rows_view, rows_view.stride(0), rows_view.stride(1),
-                                               weight.contiguous(), grad_x, partial, heads, n_rows, D, eps,
-                                               tiles_per_program, ROWS=tile, BLOCK=block,
-                                               num_warps=8 if block >= 2048 else 4)
+                                               weight.contiguous(), grad_summed, grad_x, partial, heads,
+                                               n_rows, D, eps, tiles_per_program, ROWS=tile, BLOCK=block,
+                                               ADD=add, num_warps=8 if block >= 2048 else 4)
     return grad_x, partial.sum(0).to(weight.dtype)
 
 
@@ -1264,7 +1307,11 @@ def trainer_trace(model, batch) -> dict:
     def recorded(module, names, fn):
         def run(x, *args, **kwargs):
             out = fn(x, *args, **kwargs)
-            calls.setdefault(module, []).append((next(names), x, out))
+            name = next(names)
+            if name.endswith("norm") and isinstance(out, tuple):  # the residual added in: (norm, sum)
+                calls.setdefault(module, []).append((name, out[1], out[0]))
+            else:
+                calls.setdefault(module, []).append((name, x, out))
             return out
         return run
     originals = {m: m.kernels for m in model.modules() if hasattr(m, "KERNEL_CALLS")}

@@ -38,6 +38,10 @@ def cases():
                    (torch.randn(T, 6, **f64), torch.randn(4, 6, **f64)), ()),
         "rms_norm": (bib.BatchInvariantRMSNorm.apply, bib.rms_norm_reference,
                      (torch.randn(T, 3, 8, **f64), torch.randn(8, **f64)), (1e-6,)),
+        # with the residual added in front: (norm, sum), both used
+        "add_rms_norm": (lambda x, w, r: bib.BatchInvariantRMSNorm.apply(x, w, 1e-6, r),
+                         lambda x, w, r: bib.rms_norm_reference(x, w, 1e-6, r),
+                         (torch.randn(T, 8, **f64), torch.randn(8, **f64), torch.randn(T, 8, **f64)), ()),
         "silu_and_mul": (bib.SiluAndMul.apply, bib.silu_and_mul_reference, (torch.randn(T, 10, **f64),), ()),
         "rotary": (bib.Rotary.apply, bib.rotary_reference,
                    (torch.randn(T, 4, 6, **f64), torch.randn(T, 2, 6, **f64)), (positions, cache)),
@@ -76,6 +80,31 @@ def test_backward_equals_autograd_of_reference(name):
         torch.testing.assert_close(o, r, rtol=1e-12, atol=1e-12)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+def test_the_norm_with_the_add_fused_in_has_the_bits_of_the_add_then_the_norm():
+    """In bf16, the norm given the residual (one pass: the layer's add and the next norm) returns the sum and
+    the norm, and gives x and the residual the gradients, bit for bit, of a bf16 add then the norm under
+    autograd: the norm's dx rounded, then added to the sum's gradient from above in one bf16 add. With both
+    outputs used, and with only one (the last norm's sum is unused)."""
+    torch.manual_seed(3)
+    x, r = (4 * torch.randn(7, 64)).bfloat16(), torch.randn(7, 64).bfloat16()
+    w, dy, ds = (1 + 0.1 * torch.randn(64)).bfloat16(), torch.randn(7, 64).bfloat16(), torch.randn(7, 64).bfloat16()
+    bits = lambda t: None if t is None else t.view(torch.int16).tolist()
+
+    def run(fused: bool, used: tuple):
+        inputs = [t.clone().requires_grad_() for t in (x, r, w)]
+        if fused:
+            out, summed = bib.BatchInvariantRMSNorm.apply(inputs[0], inputs[2], 1e-6, inputs[1])
+        else:
+            summed = inputs[0] + inputs[1]
+            out = bib.BatchInvariantRMSNorm.apply(summed, inputs[2], 1e-6)
+        torch.autograd.backward([t for t, use in zip((out, summed), used) if use],
+                                [g for g, use in zip((dy, ds), used) if use])
+        return [bits(out), bits(summed)] + [bits(t.grad) for t in inputs]
+
+    for used in ((True, True), (True, False), (False, True)):
+        assert run(True, used) == run(False, used), used
 
 
 def test_attention_reference_is_causal_per_sequence():
@@ -130,7 +159,8 @@ def test_truncation_keeps_what_it_says_and_changes_nothing_when_off():
 def test_the_norm_and_log_softmax_refuse_what_would_not_give_vllms_bits():
     """`split_log_softmax` takes fp32 rows only (vLLM's kernel sums other dtypes in them); `rms_norm_rows` a
     residual of x's shape and dtype (PyTorch's add would broadcast or promote) and a weight a value a column;
-    `rms_norm_backward` an eps > 0."""
+    `rms_norm_backward` an eps > 0 and the sum's gradient of x's shape and dtype; `embedding_grad` an fp32
+    sum of the weight's shape to add to."""
     with pytest.raises(ValueError, match="fp32"):
         bib.split_log_softmax(torch.zeros(2, 8, dtype=torch.bfloat16))
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
@@ -139,6 +169,10 @@ def test_the_norm_and_log_softmax_refuse_what_would_not_give_vllms_bits():
             bib.rms_norm_rows(x, weight, 1e-6, residual)
     with pytest.raises(ValueError, match="eps must be > 0"):  # a part tile's dw would be NaN
         bib.rms_norm_backward(x, x, x[0], 0.0)
+    with pytest.raises(ValueError, match="grad_summed"):  # the sum's gradient: x's shape and dtype
+        bib.rms_norm_backward(x, x, x[0], 1e-6, x.float())
+    with pytest.raises(ValueError, match="main_grad must be a contiguous fp32"):
+        bib.embedding_grad(x, torch.zeros(4, dtype=torch.long), 3, torch.zeros(3, 8, dtype=torch.bfloat16))
 
 
 def test_tempered_logits_never_alias_the_logits():
@@ -151,8 +185,9 @@ def test_tempered_logits_never_alias_the_logits():
 def test_triton_kernels_under_tritons_interpreter():
     """Our Triton kernels, which run on CUDA, run on the CPU by Triton's interpreter against float64 PyTorch,
     over rows longer than one block: SwiGLU's backward, lm_head's logprob gradient, the embedding's gradient
-    (a token at over 120 positions, others at none), the RMSNorm (of rows, of a bf16 add, of heads read in
-    place) and its backward (a program over several tiles in the last case) within one or two bf16 units in
+    (a token at over 120 positions, others at none; and added to an fp32 sum), the RMSNorm (of rows, of a bf16 add, of heads read in
+    place) and its backward (a program over several tiles in the last case; with the sum's gradient added)
+    within one or two bf16 units in
     the last place (the interpreter rounds to bf16 by truncation); the entropy of logprobs and the split
     log-softmax, with a top-k cut (-inf), within fp32 rounding, and a token's logprob and the row's entropy bit
     for bit the split log-softmax's; NaN for a row holding a NaN.
@@ -177,6 +212,10 @@ grad = bib.embedding_grad(grad_out, tokens, 40)
 torch.testing.assert_close(grad.double(), by_row, rtol=2**-7, atol=1e-9)
 assert grad[30:].eq(0).all() and grad[4].ne(0).all()
 assert torch.equal(bib.embedding_grad(grad_out, tokens.int(), 40), grad)  # int32 tokens: the same
+main_grad = torch.randn(40, 1500)
+folded = main_grad.clone()
+assert bib.embedding_grad(grad_out, tokens, 40, folded) is None  # added to the fp32 sum, as the fold adds it
+assert torch.equal(folded, main_grad + grad.float())
 
 logprobs = torch.log_softmax(torch.randn(7, 5000).double(), -1)
 logprobs[:, 100:] = float("-inf")
@@ -221,6 +260,11 @@ for x_, w_ in ((x, w), (q, w[:128]), (k, w[:128]), (wide, (1 + 0.1 * torch.randn
     (gx, gw), (rx, rw) = bib.rms_norm_backward(dy, x_, w_, 1e-6), norm_grads(x_, w_, dy)
     torch.testing.assert_close(gx.double(), rx, rtol=2**-6, atol=1e-6)
     torch.testing.assert_close(gw.double(), rw, rtol=2**-6, atol=1e-6)
+ds = torch.randn(x.shape).bfloat16()  # the sum's gradient from above, added to dx (a bf16 add)
+gx, gw = bib.rms_norm_backward(dy := torch.randn(x.shape).bfloat16(), x, w, 1e-6)
+added, same_gw = bib.rms_norm_backward(dy, x, w, 1e-6, ds)
+torch.testing.assert_close(added.double(), gx.double() + ds.double(), rtol=2**-7, atol=1e-6)
+assert torch.equal(same_gw, gw)
 gx, gw = bib.rms_norm_backward(x[:0], x[:0], w, 1e-6)  # no rows: dw is 0
 assert gx.shape == (0, 2100) and gw.eq(0).all()
 """

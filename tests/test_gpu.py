@@ -351,6 +351,63 @@ def test_gradients_match_autograd_within_bf16_tolerance(served, entropy_coef):
     print(f"\n[{name}] worst gradient relative error vs fp32 autograd: {worst:.2e}")
 
 
+def test_the_fused_adds_give_the_unfused_ops_gradient_sums_bit_for_bit():
+    """The residual adds fused into the norms (both passes) and the embedding's gradient added to its fp32 sum
+    in its kernel give the logprobs, the entropies and every parameter's fp32 gradient sum (`main_grad`, as
+    `MasterWeights` keeps it) bit for bit as a bf16 add before each norm and the embedding's bf16 gradient
+    folded after the backward give them: the 1.7B shape (4 layers, tied), 3 micro-batches of ~8k tokens."""
+    import torch.nn.functional as F
+
+    from batch_invariant_backward import EXACT, BatchInvariantRMSNorm, embedding_grad
+
+    def unfused_norm(x, weight, eps, residual=None):
+        if residual is None:
+            return BatchInvariantRMSNorm.apply(x, weight, eps)
+        summed = x + residual
+        return BatchInvariantRMSNorm.apply(summed, weight, eps), summed
+
+    class BF16EmbeddingGrad(torch.autograd.Function):  # the gradient returned, for the fold after it
+        @staticmethod
+        def forward(ctx, tokens, weight):
+            ctx.save_for_backward(tokens)
+            ctx.rows = weight.shape[0]
+            return F.embedding(tokens, weight)
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            return None, embedding_grad(grad_out, ctx.saved_tensors[0], ctx.rows)
+
+    args = simple_rl.model_args_from_hf_config(dict(QWEN3_1P7B, num_hidden_layers=4))
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, args.vocab_size, (int(n),), generator=g).tolist()
+            for n in torch.randint(100, 900, (48,), generator=g)]
+    batches = [simple_rl.pack_sequences([s[:60] for s in part], [s[60:] for s in part], "cuda")
+               for part in (seqs[:16], seqs[16:32], seqs[32:])]
+    weights, results = None, []
+    for kernels in (EXACT, dataclasses.replace(EXACT, rms_norm=unfused_norm, embedding=BF16EmbeddingGrad.apply)):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = simple_rl.Qwen3(args, kernels)
+        if weights is None:
+            for p in model.parameters():
+                p.data.normal_(0, 0.02) if p.dim() == 2 else p.data.normal_(1, 0.1)
+            weights = model.state_dict()
+        model.load_state_dict(weights)
+        masters = simple_rl.MasterWeights(model, lr=1e-6, weight_decay=0.0)
+        masters.zero_grads()
+        outputs = []
+        for batch in batches:
+            out = model(batch, 0.7)
+            (out.logprobs.sum() / 1000 + 0.01 * out.entropy.mean()).backward()
+            masters.accumulate_grads()
+            outputs += [out.logprobs.detach(), out.entropy.detach()]
+        results.append(outputs + [p.main_grad for _, p in masters.named])
+        del model, masters
+    for a, b in zip(*results):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    print(f"\n[fused adds] {len(results[0]) - 6} gradient sums and 3 micro-batches' logprobs bit for bit")
+
+
 def test_triton_backwards_round_once_and_reach_past_int32_offsets():
     """Our Triton backwards on the GPU against float64 PyTorch, each within one bf16 unit in the last place:
     SwiGLU's at the 1.7B shape's width, and lm_head's logprob gradient over 14,200 rows of the whole vocabulary
@@ -404,7 +461,8 @@ def test_weight_grad_adds_each_product_to_the_fp32_sum_where_it_lies():
 def test_rms_norm_backward_has_the_same_bits_on_every_call():
     """`rms_norm_backward` on the GPU at the 1.7B shape's micro-batch (8,192 tokens of 2,048, and its q heads
     read in place from the q/k/v projection's output): dx and dw within one bf16 unit in the last place of
-    float64 autograd, and the same bits on 5 calls."""
+    float64 autograd, and the same bits on 5 calls; with the sum's gradient from above given, dx the bits of
+    PyTorch's bf16 add of it to the dx without, and dw unchanged."""
     from batch_invariant_backward import rms_norm_backward, rms_norm_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -421,13 +479,19 @@ def test_rms_norm_backward_has_the_same_bits_on_every_call():
         (rms_norm_reference(x64, w64, 1e-6) * dy.double()).sum().backward()
         torch.testing.assert_close(grad_x.double(), x64.grad, rtol=2**-7, atol=1e-5)
         torch.testing.assert_close(grad_w.double(), w64.grad, rtol=2**-7, atol=1e-3)
+        if x.dim() == 2:  # a residual sum's norm
+            ds = torch.randn(x.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+            added, same_w = rms_norm_backward(dy, x, w, 1e-6, ds)
+            assert torch.equal(added.view(torch.int16), (grad_x + ds).view(torch.int16))
+            assert torch.equal(same_w, grad_w)
 
 
 def test_embedding_gradient_has_the_same_bits_on_every_call():
     """The embedding's gradient (`embedding_grad`) at Qwen3-1.7B's size over a micro-batch of 16,384 positions
     whose tokens follow a Zipf law (the likeliest at over a thousand positions, most of the vocabulary at none):
-    the same bits on 20 calls, within one bf16 unit in the last place (or 1e-4) of a float64 sum. It prints
-    how many of 20 calls of PyTorch's own kernel gave other bits than its first."""
+    the same bits on 20 calls, within one bf16 unit in the last place (or 1e-4) of a float64 sum; added in its
+    kernel to an fp32 sum, the bits of PyTorch's fp32 + bf16 add. It prints how many of 20 calls of PyTorch's
+    own kernel gave other bits than its first."""
     from batch_invariant_backward import embedding_grad
 
     g = torch.Generator().manual_seed(0)
@@ -441,6 +505,10 @@ def test_embedding_gradient_has_the_same_bits_on_every_call():
     first = embedding_grad(grad_out, tokens, vocab)
     assert all(torch.equal(embedding_grad(grad_out, tokens, vocab), first) for _ in range(20))
     torch.testing.assert_close(first.double().cpu(), exact, rtol=2**-8, atol=1e-4)
+    main_grad = torch.randn(vocab, dim, device="cuda")
+    folded = main_grad.clone()
+    assert embedding_grad(grad_out, tokens, vocab, folded) is None
+    assert torch.equal(folded.view(torch.int32), (main_grad + first).view(torch.int32))
     pytorchs = lambda: torch.ops.aten.embedding_dense_backward(grad_out, tokens, vocab, -1, False)
     first = pytorchs()
     differ = sum(not torch.equal(pytorchs(), first) for _ in range(20))
