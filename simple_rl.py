@@ -404,7 +404,8 @@ def packed_micro_batches(prompts, completions, token_budget: int, device, world:
 def model_args_from_hf_config(config: dict):
     """torchtitan's Qwen3ModelArgs from a Hugging Face `config.json` (checked by `read_config`)."""
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-    return Qwen3ModelArgs(dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
+    return Qwen3ModelArgs(
+        dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
         n_heads=config["num_attention_heads"], n_kv_heads=config["num_key_value_heads"],
         vocab_size=config["vocab_size"], hidden_dim=config["intermediate_size"],
         norm_eps=config["rms_norm_eps"], max_seq_len=config["max_position_embeddings"],
@@ -466,8 +467,7 @@ class TransformerBlock(nn.Module):
     def forward(self, h, residual, positions, cos_sin_cache, cu_seqlens, max_seqlen: int):
         """(h, residual) of the layer below -> this layer's (h, residual), each (T, dim)."""
         ops = self.kernels
-        # vLLM normalises layer 0's input alone; every later norm first adds the residual (a bf16 add): one
-        # kernel returns (norm, sum), in one pass forward and one backward.
+        # Layer 0's first norm has no add; every later norm adds the residual first: (norm, sum), one kernel.
         normed, residual = ((ops.rms_norm(h, self.attention_norm.weight, self.eps), h) if residual is None
                             else ops.rms_norm(h, self.attention_norm.weight, self.eps, residual))
         h = self.attention(normed, positions, cos_sin_cache, cu_seqlens, max_seqlen)
@@ -727,7 +727,7 @@ def lr_at(step: int, cfg: Optimizer) -> float:
 class MasterWeights:
     """AdamW on fp32 masters of this rank's bf16 parameters (its FSDP2 shards); their bf16 rounding is what
     the trainer and vLLM run. A step's gradients are summed in fp32 on each parameter (`main_grad`, as in
-    Megatron-LM) as each is made (one GPU: in the kernel that makes it, `weight_grad`): never all at once.
+    Megatron-LM) as each is made (one GPU: by the matmul or embedding kernel making it): never all at once.
     With `offload`, the masters and AdamW's moments (12 bytes a parameter) live in host memory and AdamW
     steps on the CPU, one parameter at a time: only its gradient (4 bytes a parameter) and its new bf16
     weight (2) cross PCIe. The CPU's arithmetic rounds otherwise than the GPU's: another run, as exact."""

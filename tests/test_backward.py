@@ -89,7 +89,7 @@ def test_the_norm_with_the_add_fused_in_has_the_bits_of_the_add_then_the_norm():
     outputs used, and with only one (the last norm's sum is unused)."""
     torch.manual_seed(3)
     x, r = (4 * torch.randn(7, 64)).bfloat16(), torch.randn(7, 64).bfloat16()
-    w, dy, ds = (1 + 0.1 * torch.randn(64)).bfloat16(), torch.randn(7, 64).bfloat16(), torch.randn(7, 64).bfloat16()
+    w, dy, ds = (1 + 0.1 * torch.randn(64)).bfloat16(), *torch.randn(2, 7, 64).bfloat16()
     bits = lambda t: None if t is None else t.view(torch.int16).tolist()
 
     def run(fused: bool, used: tuple):
@@ -185,10 +185,10 @@ def test_tempered_logits_never_alias_the_logits():
 def test_triton_kernels_under_tritons_interpreter():
     """Our Triton kernels, which run on CUDA, run on the CPU by Triton's interpreter against float64 PyTorch,
     over rows longer than one block: SwiGLU's backward, lm_head's logprob gradient, the embedding's gradient
-    (a token at over 120 positions, others at none; and added to an fp32 sum), the RMSNorm (of rows, of a bf16 add, of heads read in
-    place) and its backward (a program over several tiles in the last case; with the sum's gradient added)
-    within one or two bf16 units in
-    the last place (the interpreter rounds to bf16 by truncation); the entropy of logprobs and the split
+    (a token at over 120 positions, others at none; and added to an fp32 sum), the RMSNorm (of rows, of a
+    bf16 add, of heads read in place) and its backward (a program over several tiles in the last case; with
+    the sum's gradient added) within one or two bf16 units in the last place (the interpreter rounds to bf16
+    by truncation); the entropy of logprobs and the split
     log-softmax, with a top-k cut (-inf), within fp32 rounding, and a token's logprob and the row's entropy bit
     for bit the split log-softmax's; NaN for a row holding a NaN.
     (tests/test_gpu.py checks the bits of the norm and the log-softmax against vLLM's.)"""

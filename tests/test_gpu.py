@@ -384,7 +384,8 @@ def test_the_fused_adds_give_the_unfused_ops_gradient_sums_bit_for_bit():
     batches = [simple_rl.pack_sequences([s[:60] for s in part], [s[60:] for s in part], "cuda")
                for part in (seqs[:16], seqs[16:32], seqs[32:])]
     weights, results = None, []
-    for kernels in (EXACT, dataclasses.replace(EXACT, rms_norm=unfused_norm, embedding=BF16EmbeddingGrad.apply)):
+    unfused = dataclasses.replace(EXACT, rms_norm=unfused_norm, embedding=BF16EmbeddingGrad.apply)
+    for kernels in (EXACT, unfused):
         torch.manual_seed(0)
         with torch.device("cuda"):
             model = simple_rl.Qwen3(args, kernels)

@@ -187,8 +187,10 @@ def test_the_divergence_locator_names_the_first_op_whose_bits_differ(tmp_path):
     reference = trace(simple_rl.load_qwen3(model_dir, "cpu"), tokens)
 
     def nudged(fn):  # the same op, one bf16 ulp or so off (of a pair, the first: the norm, not the sum)
-        return lambda x, *args: (lambda out: (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01)(
-            fn(x, *args))
+        def run(x, *args):
+            out = fn(x, *args)
+            return (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01
+        return run
 
     def locate(inject) -> str:
         model = simple_rl.load_qwen3(model_dir, "cpu")
