@@ -510,11 +510,12 @@ def embedding_grad(grad_out: torch.Tensor, tokens: torch.Tensor, rows: int,
     sorted_tokens, order = torch.sort(tokens.reshape(-1), stable=True)
     ids = torch.arange(rows + 1, dtype=tokens.dtype, device=tokens.device)
     bounds = torch.searchsorted(sorted_tokens, ids)  # row r's positions: order[bounds[r]:bounds[r + 1]]
-    grad = grad_out.new_empty(rows, D) if main_grad is None else main_grad
+    add = main_grad is not None
+    grad = main_grad if add else grad_out.new_empty(rows, D)
     block = min(1024, triton.next_power_of_2(D))
     _embedding_grad_kernel[(rows, triton.cdiv(D, block))](grad_out, order, bounds, grad, D, BLOCK=block,
-                                                          ADD=grad is main_grad)
-    return None if grad is main_grad else grad
+                                                          ADD=add)
+    return None if add else grad
 
 
 def weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor):
