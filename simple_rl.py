@@ -26,6 +26,7 @@ How this GRPO departs from the paper (Shao et al., 2024):
 import dataclasses
 import errno
 import gc
+import io
 import json
 import math
 import os
@@ -36,7 +37,7 @@ import sys
 import textwrap
 import time
 import typing
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, nullcontext, redirect_stderr, suppress
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -205,6 +206,17 @@ def saved_run(checkpoint: Path) -> tuple[Args, int]:
     return Args(**groups), step
 
 
+def tyro_cli(**options) -> Args:
+    """tyro's parse; its boxed error (a mistyped flag or value) made one line, with the flags it names."""
+    try:
+        with redirect_stderr(boxed := io.StringIO()):
+            return tyro.cli(Args, **options)
+    except SystemExit as exit:  # 0: --help
+        rows = [re.sub("[\u2500-\u257f]", "", r).strip() for r in boxed.getvalue().splitlines()] + ["", ""]
+        flags = ", ".join(row for row in rows if row.startswith("--")) or "--help"
+        raise exit if not exit.code else UsageError(f"{' '.join(rows[1:rows.index('', 1)])} (see {flags})")
+
+
 def parse_command_line(argv: list[str] | None = None) -> Args:
     """The flags, each number in its range; with --resume, the run's saved flags overridden by those given."""
     setting = ("Set VLLM_BATCH_INVARIANT=1 in the environment: vLLM reads it at import, and without it the "
@@ -213,9 +225,9 @@ def parse_command_line(argv: list[str] | None = None) -> Args:
                       for text in (__doc__.split("\n\n")[0], setting))
     options = dict(args=argv, config=(tyro.conf.OmitArgPrefixes, tyro.conf.DisallowNone),
                    description=f"{about}\n\n{__doc__.split(chr(10) * 2)[1]}\n\n{setting}")  # indented: kept
-    args = tyro.cli(Args, **options)
+    args = tyro_cli(**options)
     if args.run.resume is not None:
-        args = tyro.cli(Args, default=saved_run(Path(args.run.resume))[0], **options)
+        args = tyro_cli(default=saved_run(Path(args.run.resume))[0], **options)
     values = {name: value for group in asdict(args).values() for name, value in group.items()}
     for name, value in values.items():
         if isinstance(value, float) and not math.isfinite(value):
@@ -239,13 +251,10 @@ def exit_on(error: Exception, status: int) -> None:
 
 
 if __name__ == "__main__":  # before torch and vLLM load (seconds): --help and a bad flag answer at once
-    if torchrun_rank_and_size()[0]:  # tyro reports a mistyped flag itself: once, from rank 0
-        sys.stderr = open(os.devnull, "w")
     try:
         COMMAND_LINE = parse_command_line()
     except UsageError as e:
         exit_on(e, 2)
-    sys.stderr = sys.__stderr__
 
 import torch  # noqa: E402  (after the flags: see above)
 import torch.distributed as dist  # noqa: E402
@@ -399,19 +408,6 @@ def packed_micro_batches(prompts, completions, token_budget: int, device, world:
         groups[i:i + 1] = [groups[i][: len(groups[i]) // 2], groups[i][len(groups[i]) // 2:]]
     return [(idx, pack_sequences([prompts[i] for i in idx], [completions[i] for i in idx], device))
             for idx in groups]
-
-
-def model_args_from_hf_config(config: dict):
-    """torchtitan's Qwen3ModelArgs from a Hugging Face `config.json` (checked by `read_config`)."""
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-    return Qwen3ModelArgs(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"], n_kv_heads=config["num_key_value_heads"],
-        vocab_size=config["vocab_size"], hidden_dim=config["intermediate_size"],
-        norm_eps=config["rms_norm_eps"], max_seq_len=config["max_position_embeddings"],
-        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        rope_theta=rope_parameters(config).get("rope_theta", config.get("rope_theta", 1_000_000)),
-        enable_weight_tying=config.get("tie_word_embeddings", False))
 
 
 # Each forward runs the kernels vLLM 0.20 runs for the module in eager batch-invariant mode (CUDA graphs
@@ -1150,6 +1146,19 @@ def check_args(args: Args, world_size: int) -> Args:
 
 def rope_parameters(config: dict) -> dict:
     return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
+def model_args_from_hf_config(config: dict):
+    """torchtitan's Qwen3ModelArgs from a Hugging Face `config.json` (checked by `read_config`)."""
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+    return Qwen3ModelArgs(
+        dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"], n_kv_heads=config["num_key_value_heads"],
+        vocab_size=config["vocab_size"], hidden_dim=config["intermediate_size"],
+        norm_eps=config["rms_norm_eps"], max_seq_len=config["max_position_embeddings"],
+        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        rope_theta=rope_parameters(config).get("rope_theta", config.get("rope_theta", 1_000_000)),
+        enable_weight_tying=config.get("tie_word_embeddings", False))
 
 
 def read_config(model_dir: Path) -> dict:
