@@ -211,10 +211,10 @@ def tyro_cli(**options) -> Args:
     try:
         with redirect_stderr(boxed := io.StringIO()):
             return tyro.cli(Args, **options)
-    except SystemExit as exit:  # 0: --help
+    except SystemExit as ended:  # status 0: --help printed its text
         rows = [re.sub("[\u2500-\u257f]", "", r).strip() for r in boxed.getvalue().splitlines()] + ["", ""]
         flags = ", ".join(row for row in rows if row.startswith("--")) or "--help"
-        raise exit if not exit.code else UsageError(f"{' '.join(rows[1:rows.index('', 1)])} (see {flags})")
+        raise ended if not ended.code else UsageError(f"{' '.join(rows[1:rows.index('', 1)])} (see {flags})")
 
 
 def parse_command_line(argv: list[str] | None = None) -> Args:
