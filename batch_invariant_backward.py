@@ -792,6 +792,13 @@ def _vllm_rotary(q, k, positions, cos_sin_cache):
     return q_rot, k_rot
 
 
+@functools.lru_cache(maxsize=1)  # the model's one table (kept alive here: a new table, a new key)
+def inverse_rotation(cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """[cos | -sin]: made once, not a 20 MB copy at every layer's backward."""
+    cos, sin = cos_sin_cache.chunk(2, dim=-1)
+    return torch.cat((cos, -sin), dim=-1)
+
+
 class Rotary(torch.autograd.Function):
     """`torch.ops._C.rotary_embedding`: vLLM's neox-style rotary kernel (in place in vLLM, on copies
     here). A rotation is orthogonal, so the backward is the inverse rotation (angle -> -angle): on
@@ -808,8 +815,7 @@ class Rotary(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k):
         positions, cos_sin_cache = ctx.saved_tensors
         if grad_q.is_cuda:
-            cos, sin = cos_sin_cache.chunk(2, dim=-1)
-            return *_vllm_rotary(grad_q, grad_k, positions, torch.cat((cos, -sin), dim=-1)), None, None
+            return *_vllm_rotary(grad_q, grad_k, positions, inverse_rotation(cos_sin_cache)), None, None
         cos, sin = _cos_sin(positions, cos_sin_cache, grad_q.dtype)
         return _rotate(grad_q, cos, -sin), _rotate(grad_k, cos, -sin), None, None
 

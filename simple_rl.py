@@ -23,10 +23,12 @@ How this GRPO departs from the paper (Shao et al., 2024):
 6. The policy trained is the one sampled: softmax(logits / T), restricted to what --top-k and --top-p keep.
 """
 
+import array
 import dataclasses
 import errno
 import gc
 import io
+import itertools
 import json
 import math
 import os
@@ -371,21 +373,19 @@ class PackedBatch:
 
 
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], device) -> PackedBatch:
-    tokens, positions, target_rows, seqlens = [], [], [], [0]
-    for prompt, completion in zip(prompts, completions):
-        # Row t's logits predict token t + 1: completion token j is read at row len(prompt) + j - 1.
-        target_rows += range(len(tokens) + len(prompt) - 1, len(tokens) + len(prompt) + len(completion) - 1)
-        tokens += prompt + completion
-        seqlens.append(len(prompt) + len(completion))
-        positions += range(seqlens[-1])
-
-    def as_tensor(x, dtype=torch.long):
-        return torch.tensor(x, dtype=dtype, device=device)
-    return PackedBatch(tokens=as_tensor(tokens), positions=as_tensor(positions),
-                       cu_seqlens=as_tensor(seqlens, torch.int32).cumsum(0, dtype=torch.int32),
-                       max_seqlen=max(seqlens), target_rows=as_tensor(target_rows),
-                       targets=as_tensor([t for c in completions for t in c]),
-                       completion_lens=[len(c) for c in completions])
+    # The host's share of a step, before the GPU has work: one pass over Python's ints, then tensor ops.
+    sequences = itertools.chain.from_iterable(itertools.chain.from_iterable(zip(prompts, completions)))
+    tokens = torch.frombuffer(array.array("q", sequences), dtype=torch.long)
+    prompt_lens, completion_lens = torch.tensor([len(p) for p in prompts]), [len(c) for c in completions]
+    seqlens = prompt_lens + torch.tensor(completion_lens, dtype=torch.long)
+    positions = torch.arange(len(tokens)) - (seqlens.cumsum(0) - seqlens).repeat_interleave(seqlens)
+    in_completion = positions >= prompt_lens.repeat_interleave(seqlens)
+    return PackedBatch(tokens=tokens.to(device), positions=positions.to(device),
+                       cu_seqlens=F.pad(seqlens.cumsum(0), (1, 0)).to(device, torch.int32),
+                       max_seqlen=int(seqlens.max()),
+                       # Row t's logits predict token t + 1: a completion token is read a row before its own.
+                       target_rows=(in_completion.nonzero().squeeze(1) - 1).to(device),
+                       targets=tokens[in_completion].to(device), completion_lens=completion_lens)
 
 
 def bins(sizes, budget: int) -> list[list[int]]:

@@ -11,6 +11,7 @@ from conftest import qwen3_config, random_hf_weights, write_checkpoint
 from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+import batch_invariant_backward
 import simple_rl
 from batch_invariant_backward import EXACT, REFERENCE
 
@@ -144,6 +145,26 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(simple_rl.UsageError, match="the weights do not match config.json"):
         simple_rl.check_checkpoint(ckpt, simple_rl.model_args_from_hf_config(cfg))
+
+
+def test_packing_lays_sequences_back_to_back_and_reads_each_completion_token_a_row_early():
+    batch = simple_rl.pack_sequences([[1, 2, 3], [4], [10, 11]], [[5, 6], [7, 8, 9], []], "cpu")
+    assert batch.tokens.tolist() == [1, 2, 3, 5, 6, 4, 7, 8, 9, 10, 11]
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1]
+    assert batch.cu_seqlens.dtype == torch.int32 and batch.cu_seqlens.tolist() == [0, 5, 9, 11]
+    assert batch.max_seqlen == 5 and batch.completion_lens == [2, 3, 0]
+    assert batch.target_rows.tolist() == [2, 3, 5, 6, 7] and batch.targets.tolist() == [5, 6, 7, 8, 9]
+    assert all(t.dtype == torch.long for t in (batch.tokens, batch.positions, batch.target_rows, batch.targets))
+
+
+def test_the_inverse_rotation_table_is_made_once_per_table():
+    args = SimpleNamespace(head_dim=8, rope_theta=1e6, max_seq_len=16)
+    table = batch_invariant_backward.rope_cos_sin_cache(args, torch.bfloat16)
+    inverse = batch_invariant_backward.inverse_rotation(table)
+    cos, sin = table.chunk(2, dim=-1)
+    assert torch.equal(inverse, torch.cat((cos, -sin), dim=-1))
+    assert batch_invariant_backward.inverse_rotation(table) is inverse
+    assert batch_invariant_backward.inverse_rotation(table.clone()) is not inverse
 
 
 def test_vllm_holds_the_rotary_table_in_fp32_with_the_trainers_values():
