@@ -792,7 +792,7 @@ def _vllm_rotary(q, k, positions, cos_sin_cache):
     return q_rot, k_rot
 
 
-@functools.lru_cache(maxsize=1)  # the model's one table (kept alive here: a new table, a new key)
+@functools.lru_cache(maxsize=1)  # the model's one table, keyed by identity (held here: its id not reused)
 def inverse_rotation(cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """[cos | -sin]: made once, not a 20 MB copy at every layer's backward."""
     cos, sin = cos_sin_cache.chunk(2, dim=-1)

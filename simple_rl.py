@@ -374,10 +374,10 @@ class PackedBatch:
 
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], device) -> PackedBatch:
     # The host's share of a step, before the GPU has work: one pass over Python's ints, then tensor ops.
-    sequences = itertools.chain.from_iterable(itertools.chain.from_iterable(zip(prompts, completions)))
-    tokens = torch.frombuffer(array.array("q", sequences), dtype=torch.long)
+    token_ids = itertools.chain.from_iterable(itertools.chain.from_iterable(zip(prompts, completions)))
+    tokens = torch.frombuffer(array.array("q", token_ids), dtype=torch.long)
     prompt_lens, completion_lens = torch.tensor([len(p) for p in prompts]), [len(c) for c in completions]
-    seqlens = prompt_lens + torch.tensor(completion_lens, dtype=torch.long)
+    seqlens = prompt_lens + torch.tensor(completion_lens)
     positions = torch.arange(len(tokens)) - (seqlens.cumsum(0) - seqlens).repeat_interleave(seqlens)
     in_completion = positions >= prompt_lens.repeat_interleave(seqlens)
     return PackedBatch(tokens=tokens.to(device), positions=positions.to(device),
