@@ -45,6 +45,7 @@ train phase over the one GPU's is what the sharded trainer costs per token.
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -57,12 +58,12 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import batch_invariant_backward
+import plumbing
 import simple_rl
 from offline_demo import qwen3_config, write_checkpoint, write_tokenizer
 
@@ -175,15 +176,16 @@ def gc_off():
 
 
 def exact_step_runner(ckpt: Path, args):
-    """simple_rl.py's own GRPO step: returns a function that runs one and returns its phase times, the
-    script's checkpoint writer (its page-locked host memory made now, as the script makes it before its first
-    step) and the seconds that took."""
+    """simple_rl.py's own GRPO step (`grpo_step`) on the bench's prompts: returns a function that runs one and
+    returns its phase times, the script's checkpoint writer (its page-locked host memory made now, as the
+    script makes it before its first step) and the seconds that took."""
     config = simple_rl.Args(
         sampling=simple_rl.Sampling(prompts_per_step=args.prompts, samples_per_prompt=args.samples,
                                     max_new_tokens=args.max_new_tokens),
         engine=simple_rl.Engine(vllm_gpu_memory=args.vllm_gpu_memory,
                                 max_tokens_per_microbatch=args.max_tokens_per_microbatch,
                                 activation_checkpointing=args.activation_checkpointing),
+        parity=simple_rl.Parity(parity_report_tokens=0),  # the step's parity in one line
         run=simple_rl.Run(run_name="bench", output_dir=str(ckpt.parent / "checkpoints"), keep_last=1),
     )
     world = simple_rl.World()
@@ -195,33 +197,27 @@ def exact_step_runner(ckpt: Path, args):
     advantages = simple_rl.group_advantages(rewards, args.samples, True)
     engine_steps = EngineSteps(engine.llm)
 
-    def step(i: int, around_train=contextlib.nullcontext) -> tuple[dict, dict]:
-        times, memory = {}, {}
-        with simple_rl.phase("generate", times, memory):
-            seeds = simple_rl.rollout_seeds(0, i, len(prompts))
-            completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), 1.0, seeds,
-                                                    ignore_eos=True)
-        rollouts = simple_rl.Rollouts(prompts, completions, logprobs, rewards, advantages)
-        with simple_rl.phase("train", times, memory), around_train():
-            with record_function("vLLM sleeps"):
-                engine.sleep()
-            with record_function("micro-batches"):
-                _, trainer_logprobs = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, config, world)
-            with record_function("parity"):
-                parity, first_mismatch = simple_rl.compare_bits(logprobs, trainer_logprobs, completions, world)
-            assert first_mismatch is None, first_mismatch
-            with record_function("optimizer step"):
-                _, changes = optimizer.step(simple_rl.lr_at(i, config.optimizer), config.optimizer.max_grad_norm)
-        with simple_rl.phase("push", times, memory):
-            engine.sync_weights(model, world, changed=any(float(c[0]) for c in changes.values()))
-        return times, memory | engine_steps.medians() | {
-            "mismatched_tokens": parity["mismatched_tokens"],
-            "sampled_tokens": sum(len(c) for c in completions),
+    def sample(i: int, after=lambda: None) -> simple_rl.Rollouts:  # every completion --max-new-tokens long
+        seeds = simple_rl.rollout_seeds(0, i, len(prompts))
+        completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), 1.0, seeds,
+                                                ignore_eos=True)
+        after()
+        return simple_rl.Rollouts(prompts, completions, logprobs, rewards, advantages)
+
+    def step(i: int, after_sample=lambda: None) -> tuple[dict, dict]:
+        rollouts, scalars = simple_rl.grpo_step(i, functools.partial(sample, i, after_sample), engine, model,
+                                                optimizer, None, config, world=world)
+        times = {name: scalars[f"time/{name}"] for name in PHASES}
+        return times, {name: scalars[f"memory/{name}_gib"] for name in PHASES} | engine_steps.medians() | {
+            "mismatched_tokens": scalars["parity/mismatched_tokens"],
+            "sampled_tokens": sum(len(c) for c in rollouts.completions),
         }
 
     start = time.perf_counter()
-    inputs = SimpleNamespace(model_dir=ckpt)
-    checkpoints = simple_rl.Checkpoints(model, optimizer, None, inputs, config, world)
+    checkpoints = plumbing.Checkpoints(model, functools.partial(simple_rl.hf_weights, model), optimizer, None, ckpt,
+                                       config, world)
+    step.parts = {"vLLM sleeps": (engine, "sleep"), "micro-batches": (simple_rl, "train_on_rollouts"),
+                  "parity": (simple_rl, "compare_bits"), "optimizer step": (optimizer, "step")}
     return step, checkpoints, time.perf_counter() - start
 
 
@@ -339,7 +335,7 @@ def standard_step_runner(ckpt: Path, args):
 
     def step(i: int) -> tuple[dict, dict]:
         times, memory = {}, {}
-        with simple_rl.phase("generate", times, memory):
+        with plumbing.phase("generate", times, memory):
             seeds = simple_rl.rollout_seeds(0, i, len(prompts))
             sampling = [
                 vllm.SamplingParams(
@@ -359,10 +355,10 @@ def standard_step_runner(ckpt: Path, args):
                 )
             completions = [list(o.outputs[0].token_ids) for o in outputs]
             logprobs = [torch.tensor(o.outputs[0].logprobs.logprobs) for o in outputs]
-        with simple_rl.phase("train", times, memory):
+        with plumbing.phase("train", times, memory):
             llm.sleep(level=2)
             train(completions, logprobs)
-        with simple_rl.phase("push", times, memory):
+        with plumbing.phase("push", times, memory):
             torch.cuda.empty_cache()
             llm.wake_up(tags=["weights"])
             weights = dict(model.state_dict())
@@ -401,20 +397,40 @@ PHASES = ("generate", "train", "push")
 
 
 def profile_train_phase(step, i: int) -> None:
-    """One more step, its train phase under torch.profiler: each part's wall time against the GPU time of the
-    kernels it launched, what the GPU was busy with in all, and the kernels that took the most of it."""
+    """One more step, its train and push phases under torch.profiler: each part of the train phase (the
+    script's own functions, each in a range of its name) its wall time against the GPU time of the kernels it
+    launched, what the GPU was busy with in all, and the kernels that took the most of it."""
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    times, _ = step(i, around_train=lambda: synchronized(prof))
+    with contextlib.ExitStack() as stack:
+        for name, (owner, attribute) in step.parts.items():
+            stack.enter_context(in_range(owner, attribute, name))
+        stack.callback(prof.__exit__, None, None, None)
+        stack.callback(torch.cuda.synchronize)  # first: the profiler stops once the GPU ran what the step launched
+        times, _ = step(i, after_sample=prof.__enter__)
     events, cpu, gpu = prof.key_averages(), torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     # a part's range shows on the CPU (its wall time) and, as an annotation, on the GPU's timeline too
-    parts = {e.key: e for e in events if e.device_type == cpu and e.key in ("vLLM sleeps", "micro-batches",
-                                                                             "parity", "optimizer step")}
+    parts = {e.key: e for e in events if e.device_type == cpu and e.key in step.parts}
     busy, table = top_kernels([e for e in events if e.device_type == gpu and not e.is_user_annotation], 25)
-    print(f"\ntrain phase of one step, {torch.cuda.get_device_name()}: {times['train']:.2f} s wall, the GPU's kernels "
-          f"{busy:.2f} s")
+    print(f"\ntrain and push phases of one step, {torch.cuda.get_device_name()}: {times['train']:.2f} + "
+          f"{times['push']:.2f} s wall, the GPU's kernels {busy:.2f} s")
     for name, e in parts.items():  # a part's wall time includes the waits for the GPU it ends with
         print(f"  {name:<16}{e.cpu_time_total / 1e6:>8.3f} s wall{e.device_time_total / 1e6:>8.3f} s of kernels")
     print(table)
+
+
+@contextmanager
+def in_range(owner, attribute: str, name: str):
+    """`owner.attribute`, a function, called in a profiler range named `name` while the block runs."""
+    function = getattr(owner, attribute)
+
+    def ranged(*args, **kwargs):
+        with record_function(name):
+            return function(*args, **kwargs)
+    setattr(owner, attribute, ranged)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, function)
 
 
 def top_kernels(events, rows: int) -> tuple[float, str]:
@@ -425,14 +441,6 @@ def top_kernels(events, rows: int) -> tuple[float, str]:
     lines += [f"  {e.key[:80]:<80}{e.count:>7}{e.self_device_time_total / 1e6:>9.4f}"
               f"{e.self_device_time_total / 1e6 / busy:>7.1%}" for e in kernels[:rows]]
     return busy, "\n".join(lines)
-
-
-@contextmanager
-def synchronized(prof):
-    """The profiler, on until the GPU has run what the block launched."""
-    with prof:
-        yield
-        torch.cuda.synchronize()
 
 
 def combine(runs: list[dict]) -> dict:

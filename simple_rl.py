@@ -24,37 +24,32 @@ How this GRPO departs from the paper (Shao et al., 2024):
 """
 
 import array
-import dataclasses
 import errno
+import functools
 import gc
-import io
 import itertools
 import json
 import math
 import os
 import random
 import re
-import shutil
 import sys
-import textwrap
-import time
-import typing
-from contextlib import contextmanager, nullcontext, redirect_stderr, suppress
-from dataclasses import asdict, dataclass, field
+from contextlib import nullcontext, suppress
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Literal, NamedTuple
 
 import tyro
 
-# ===== Config: every flag; a field's comment is its --help =====
-FIXED = "fixed on resume"  # a flag a resume may not change: data order, seeds, batch shape, reference follow
+from plumbing import (
+    FIXED, CheckpointError, Checkpoints, ModelShape, UsageError, check_args, check_gpu_memory, default_is,
+    exit_on, exit_on_full_disk, init_distributed, load_inputs, log_eval, log_line, log_parity, log_step,
+    log_to_file, open_tensorboard, parity_record, parse_command_line, phase, progress_bar,
+    restore_training_state, shard_model, step_line, step_scalars, torchrun_rank_and_size, weight_deltas,
+    write_whole)
 
-
-def default_is(what: str):  # --help's "(default: ...)" for a flag whose None stands for something
-    return tyro.conf.arg(help_behavior_hint=f"(default: {what})")
-
-
+# ===== Flags: every flag; a field's comment is its --help =====
 @dataclass
 class Data:
     """The model, the data and the seed."""
@@ -163,98 +158,9 @@ class Args:
     run: Annotated[Run, tyro.conf.arg(name="evaluation_and_checkpoints")] = field(default_factory=Run)
 
 
-# The range of every number, checked as the flags are parsed (the other checks follow the Plumbing banner).
-RANGES = {"at least 1": ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_tokens", "sft_batch_size",
-                         "eval_samples"),
-          ">= 0": ("seed", "top_k", "warmup_steps", "weight_decay", "kl_coef", "entropy_coef", "sft_steps",
-                   "parity_report_tokens", "eval_every", "keep_last"),
-          "> 0": ("temperature", "lr", "sft_lr", "max_grad_norm", "clip_eps")}
-TERMINAL = sys.stderr  # the script's errors; others' logs go to runs/<run>/log.txt once training starts
-
-
-class UsageError(Exception):
-    """Bad flags, files or environment: reported as one line, exit status 2, before anything slow."""
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def torchrun_rank_and_size() -> tuple[int, int]:
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def saved_run(checkpoint: Path) -> tuple[Args, int]:
-    """The flags a checkpoint's run was started with, and its step."""
-    run_file = checkpoint / "training_state" / "run.json"
-    if not run_file.is_file():
-        what = ("not a checkpoint of this script (no training_state/run.json)" if checkpoint.is_dir()
-                else "a file, not a checkpoint directory" if checkpoint.exists() else "no such directory")
-        raise UsageError(f"--resume {checkpoint}: {what}")
-    try:
-        run = json.loads(run_file.read_text(encoding="utf-8"))
-        groups = {f.name: f.default_factory(**run["args"][f.name]) for f in dataclasses.fields(Args)}
-        step = run["step"]
-    except ValueError as e:  # not JSON, not UTF-8
-        raise UsageError(f"--resume {checkpoint}: {run_file} is broken ({e}); use an earlier one") from None
-    except (KeyError, TypeError):
-        raise UsageError(f"--resume {checkpoint}: written by another version of simple_rl.py (its flags "
-                         "differ); resume it with that version") from None
-    also = {float: (int, float), type(None): (str,)}  # a float saved as 1; a name or path (default None)
-    typed = [flag(f.name) for g in groups.values() for f in dataclasses.fields(g) if not isinstance(
-             getattr(g, f.name), (type(None), *also.get(type(f.default), [type(f.default)])))]
-    if typed or type(step) is not int or step < 0:
-        raise UsageError(f"--resume {checkpoint}: {run_file} holds a wrong value: {', '.join(typed) or step}")
-    return Args(**groups), step
-
-
-def tyro_cli(**options) -> Args:
-    """tyro's parse; its boxed error (a mistyped flag or value) made one line, with the flags it names."""
-    try:
-        with redirect_stderr(boxed := io.StringIO()):
-            return tyro.cli(Args, **options)
-    except SystemExit as ended:  # status 0: --help printed its text
-        rows = [re.sub("[\u2500-\u257f]", "", r).strip() for r in boxed.getvalue().splitlines()] + ["", ""]
-        flags = ", ".join(row for row in rows if row.startswith("--")) or "--help"
-        raise ended if not ended.code else UsageError(f"{' '.join(rows[1:rows.index('', 1)])} (see {flags})")
-
-
-def parse_command_line(argv: list[str] | None = None) -> Args:
-    """The flags, each number in its range; with --resume, the run's saved flags overridden by those given."""
-    setting = ("Set VLLM_BATCH_INVARIANT=1 in the environment: vLLM reads it at import, and without it the "
-               "logprobs cannot be bitwise equal.")
-    about, setting = (textwrap.fill(" ".join(text.split()), 78, initial_indent="  ", subsequent_indent="  ")
-                      for text in (__doc__.split("\n\n")[0], setting))
-    options = dict(args=argv, config=(tyro.conf.OmitArgPrefixes, tyro.conf.DisallowNone),
-                   description=f"{about}\n\n{__doc__.split(chr(10) * 2)[1]}\n\n{setting}")  # indented: kept
-    args = tyro_cli(**options)
-    if args.run.resume is not None:
-        args = tyro_cli(default=saved_run(Path(args.run.resume))[0], **options)
-    values = {name: value for group in asdict(args).values() for name, value in group.items()}
-    for name, value in values.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{flag(name)} must be a finite number")
-    holds = {"at least 1": lambda x: x >= 1, ">= 0": lambda x: x >= 0, "> 0": lambda x: x > 0}
-    for rule, names in RANGES.items():
-        for name in names:
-            if not holds[rule](values[name]):
-                raise UsageError(f"{flag(name)} must be {rule}")
-    return args
-
-
-def exit_on(error: Exception, status: int) -> None:
-    """The one way out on an error: a line on stderr (from rank 0 alone under torchrun), and the status."""
-    if torchrun_rank_and_size()[0] == 0:
-        print(f"error: {error}", file=TERMINAL)
-    if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's summary then names this line as the root cause
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-        ErrorHandler().record_exception(SystemExit(f"error: {error}"))
-    sys.exit(status)
-
-
 if __name__ == "__main__":  # before torch and vLLM load (seconds): --help and a bad flag answer at once
     try:
-        COMMAND_LINE = parse_command_line()
+        COMMAND_LINE = parse_command_line(Args, __doc__)
     except UsageError as e:
         exit_on(e, 2)
 
@@ -263,13 +169,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
-    CUDA_GRAPHS, EXACT, SAMPLED, Kernels, _num_sms, check_bitwise_head_dim, first_divergence,
-    install_exact_kernels, matmul_tiles, micro_batch_bytes, qwen3_gemms, restore_block_table_pointers,
-    rope_cos_sin_cache, trainer_trace, vllm_trace)
-
+    CUDA_GRAPHS, EXACT, SAMPLED, Kernels, first_divergence, install_exact_kernels,
+    restore_block_table_pointers, rope_cos_sin_cache, trainer_trace, vllm_trace)
 
 # ===== The processes: one, or torchrun's =====
 @dataclass(frozen=True)
@@ -299,6 +202,22 @@ class World:
             return n
         dist.all_reduce(x := torch.tensor(n, device=self._device()), op=dist.ReduceOp.MAX)
         return int(x)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D tensor (lengths may differ) in rank order; not pickled: that took 0.4-0.8 s."""
+        if self.size == 1:
+            return x
+        device = self._device()
+        lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.size)]
+        dist.all_gather(lengths, torch.tensor([len(x)], device=device))
+        lengths = [int(n) for n in lengths]
+        parts = [torch.empty(max(lengths), dtype=x.dtype, device=device) for _ in range(self.size)]
+        dist.all_gather(parts, F.pad(x.to(device), (0, max(lengths) - len(x))))  # padded: equal sizes
+        return torch.cat([part[:n] for part, n in zip(parts, lengths)]).to(x.device)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
 
 
 def rollout_seeds(seed: int, step: int, n: int) -> list[int]:
@@ -525,6 +444,20 @@ class Qwen3(nn.Module):
 
 
 # ===== Weights: Hugging Face checkpoints in and out =====
+def model_args_from_hf_config(config: dict):
+    """torchtitan's Qwen3ModelArgs from a Hugging Face `config.json` (checked by plumbing's `read_config`)."""
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return Qwen3ModelArgs(
+        dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"], n_kv_heads=config["num_key_value_heads"],
+        vocab_size=config["vocab_size"], hidden_dim=config["intermediate_size"],
+        norm_eps=config["rms_norm_eps"], max_seq_len=config["max_position_embeddings"],
+        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 1_000_000)),
+        enable_weight_tying=config.get("tie_word_embeddings", False))
+
+
 def from_hf_state_dict(hf_state: dict, args) -> dict:
     from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
     state = Qwen3StateDictAdapter(args, None).from_hf(dict(hf_state))
@@ -535,6 +468,14 @@ def from_hf_state_dict(hf_state: dict, args) -> dict:
         state[attn + "wqkv.weight"] = torch.cat([state.pop(attn + w + ".weight") for w in ("wq", "wk", "wv")])
         state[ffn + "w13.weight"] = torch.cat([state.pop(ffn + w + ".weight") for w in ("w1", "w3")])
     return state
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # a whole DTensor: every rank must call this
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # this rank's shard of a sharded tensor
 
 
 def hf_weights(model: Qwen3):
@@ -555,8 +496,8 @@ def hf_weights(model: Qwen3):
 
 def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bfloat16,
                activation_checkpointing: bool = False) -> Qwen3:
-    """A Hugging Face Qwen3 checkpoint (checked by `check_checkpoint`) as our Qwen3."""
-    args = model_args_from_hf_config(read_config(model_dir))
+    """A Hugging Face Qwen3 checkpoint (checked by plumbing's `check_checkpoint`) as our Qwen3."""
+    args = model_args_from_hf_config(json.loads((model_dir / "config.json").read_text()))
     if torch.device(device) == torch.device("cuda"):  # safetensors reads a bare "cuda" as GPU 0
         device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU, under torchrun
     hf_state = {name: t.to(dtype) for f in sorted(model_dir.glob("*.safetensors"))
@@ -569,6 +510,15 @@ def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bf
     return model
 
 
+def model_shape(args) -> ModelShape:
+    """What plumbing's checks and memory plan count of a Qwen3 of this shape (torchtitan's Qwen3ModelArgs):
+    built on no memory."""
+    with torch.device("meta"):
+        model = Qwen3(args)
+    return ModelShape(args, {name: tuple(p.shape) for name, p in model.named_parameters()},
+                      {name: tuple(t.shape) for name, t in hf_weights(model)})
+
+
 def weights_checksum(params) -> int:
     """The sum of bf16 bit patterns: independent of layout and order; a stale or partial push changes it."""
     return int(torch.stack([p.detach().view(torch.int16).sum(dtype=torch.int64) for p in params]).sum())
@@ -576,6 +526,7 @@ def weights_checksum(params) -> int:
 
 def trainer_checksum(model: Qwen3, world: World) -> int:
     return int(world.sum(torch.tensor(weights_checksum(local_part(p) for p in model.parameters()))))
+
 
 
 # ===== vLLM engine, and the weight push =====
@@ -720,6 +671,40 @@ def lr_at(step: int, cfg: Optimizer) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+# The fp32 state's host copies (--offload-optimizer).
+def to_host(t: torch.Tensor, wait: bool = True) -> torch.Tensor:
+    """Into pinned memory, reused from copy to copy (fresh pageable memory copied at 1.3 GB/s on an H100).
+    wait=False: the copy is queued on the stream; synchronize before reading it."""
+    if t.is_cuda:
+        t = t.to("cpu", non_blocking=True)  # non_blocking: into PyTorch's cache of pinned host memory
+        if wait:
+            torch.cuda.current_stream().synchronize()
+    return t
+
+
+def to_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A host tensor onto `like`'s GPU, through pinned memory (queued: a pageable copy would block)."""
+    if t.device == like.device:
+        return t
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return staged.to(like.device, non_blocking=True)
+
+
+def stepped_on_host(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], grads: list[torch.Tensor]):
+    """Offload (`MasterWeights`): each master after its AdamW step on the CPU; the next gradient is copied
+    meanwhile."""
+    pending = to_host(grads[0], wait=False)
+    for i, master in enumerate(masters):
+        if pending.is_pinned():
+            torch.cuda.current_stream().synchronize()  # gradient i has arrived
+        master.grad, pending = pending, to_host(grads[i + 1], wait=False) if i + 1 < len(grads) else None
+        grads[i] = None
+        optimizer.step()  # only this master has a gradient
+        master.grad = None
+        yield master
+
+
+
 class MasterWeights:
     """AdamW on fp32 masters of this rank's bf16 parameters (its FSDP2 shards); their bf16 rounding is what
     the trainer and vLLM run. A step's gradients are summed in fp32 on each parameter (`main_grad`, as in
@@ -797,6 +782,13 @@ class MasterWeights:
         return float(norm), changes
 
 
+
+def weights_changed(changes: dict, world: World = World()) -> bool:
+    """Whether `MasterWeights.step` changed a bf16 weight on any rank: then what vLLM serves must change."""
+    return float(world.sum(torch.stack([square for square, _ in changes.values()]).sum())) > 0
+
+
+
 @dataclass
 class Rollouts:
     """G samples of each of P prompts, sample j of prompt i at index i * G + j."""
@@ -833,6 +825,18 @@ def evaluate(engine, tokenizer, rows: list[dict], max_new_tokens: int, stop_ids,
     return float(world.sum(torch.tensor(correct, dtype=torch.float64))) / len(rows)
 
 
+
+def reference_policy(model: Qwen3) -> Qwen3:
+    """A frozen copy of the policy (KL's reference), whole: shard it as the policy is."""
+    with torch.device(model.device):
+        ref_model = Qwen3(model.args, model.kernels, model.tok_embeddings.weight.dtype).requires_grad_(False)
+    with torch.no_grad():
+        for p, ref in zip(model.parameters(), ref_model.parameters(), strict=True):
+            ref.copy_(gathered(p))  # one gathered weight at a time
+    return ref_model
+
+
+
 @torch.no_grad()
 def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, args: Args,
                        world: World = World()) -> list[torch.Tensor]:
@@ -842,6 +846,19 @@ def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, args: Args,
                                          args.engine.max_tokens_per_microbatch, ref_model.device, world):
         out += ref_model(batch, args.sampling.temperature).logprobs.split(batch.completion_lens)
     return out
+
+
+
+def reduce_gradients_after(model: Qwen3, last: bool) -> None:
+    """Before a micro-batch. FSDP2's default gathers each block's weights in every micro-batch's forward and
+    backward, and reduce-scatters its gradients after it. With `keep_gathered` the weights stay gathered and
+    the gradients are summed whole in fp32 until the step's last micro-batch, which reduce-scatters them:
+    two all-gathers and one reduce-scatter a step. A forward outside a step reshards (no stale copy)."""
+    if getattr(model, "keep_gathered", False):
+        model.set_reshard_after_forward(last)
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+
 
 
 def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts, ref_logprobs, args: Args,
@@ -896,9 +913,30 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
     return float(world.sum(torch.tensor(total, dtype=torch.float64)))
 
 
+
 # ===== Parity: every sampled token's logprob, compared bit for bit =====
+
 class ParityError(Exception):
     """A sampled token whose trainer logprob is not bitwise vLLM's (exit status 1)."""
+
+
+
+SAMPLER_PROBABILITY_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
+
+
+def mismatch_by_probability(v: torch.Tensor, t: torch.Tensor) -> dict:
+    """Per non-empty bucket of sampler probability (mismatch grows as it goes to 0): mean |logprob diff|,
+    k3 KL and token share."""
+    p, metrics, edges = v.exp(), {}, SAMPLER_PROBABILITY_BUCKETS
+    for low, high in zip(edges, edges[1:]):
+        tokens = (p >= low) & ((p < high) if high < 1 else (p <= high))
+        if tokens.any():
+            name = f"p_{low:g}-{high:g}"
+            metrics[f"{name}/mean_abs_logprob_diff"] = float((v[tokens] - t[tokens]).abs().mean())
+            metrics[f"{name}/vllm_kl"] = float(k3_kl(v[tokens], t[tokens]).mean())
+            metrics[f"{name}/token_frac"] = float(tokens.float().mean())
+    return metrics
+
 
 
 Mismatch = NamedTuple("Mismatch", [("message", str), ("sample", int), ("token", int)])
@@ -926,6 +964,36 @@ def compare_bits(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch
     return metrics, Mismatch(message, sample, token)
 
 
+
+def whole_step(rollouts: Rollouts, trainer_logprobs: list, world: World = World()) -> tuple[Rollouts, list]:
+    """Every rank's samples and trainer logprobs in rank (= sample) order: parity sees the whole step."""
+    if world.size == 1:
+        return rollouts, trainer_logprobs
+
+    def gathered_list(pieces: list, dtype: torch.dtype, lengths: list[int]) -> list[torch.Tensor]:
+        flat = torch.cat([torch.as_tensor(p, dtype=dtype) for p in pieces])
+        return list(world.gather(flat).split(lengths))
+    r = rollouts
+    prompt_lens, completion_lens = (world.gather(torch.tensor([len(s) for s in seqs])).tolist()
+                                    for seqs in (r.prompts, r.completions))
+    prompts = [t.tolist() for t in gathered_list(r.prompts, torch.int64, prompt_lens)]
+    completions = [t.tolist() for t in gathered_list(r.completions, torch.int64, completion_lens)]
+    step = Rollouts(prompts, completions, gathered_list(r.vllm_logprobs, torch.float32, completion_lens),
+                    world.gather(r.rewards), world.gather(r.advantages))
+    return step, gathered_list(trainer_logprobs, torch.float32, completion_lens)
+
+
+
+def find_first_divergence(engine: VLLMEngine, model: Qwen3, tokens: list[int]) -> str:
+    """Both sides' tensors of a prefill of `tokens`, compared in forward order (batch_invariant_backward)."""
+    batch = pack_sequences([tokens[:-1]], [tokens[-1:]], model.device)
+    try:
+        return first_divergence(trainer_trace(model, batch), vllm_trace(engine.llm, tokens))
+    except Exception as e:  # a diagnostic must not hide the error it diagnoses
+        return f"not found, the locator failed ({type(e).__name__}: {e})"
+
+
+
 def on_mismatch(first: Mismatch, engine, model: Qwen3, rollouts: Rollouts, parity: dict, step: int,
                 args: Args, writer, world: World) -> None:
     """Where the bits part: the first mismatching sample run through both sides with the weights that sampled
@@ -938,6 +1006,7 @@ def on_mismatch(first: Mismatch, engine, model: Qwen3, rollouts: Rollouts, parit
         raise ParityError(message)
     log_line(message, world)
     engine.sleep()  # the trainer goes on
+
 
 
 # ===== The loop, and main() =====
@@ -961,44 +1030,62 @@ def warm_start(model: Qwen3, inputs, order: list[int], args: Args, world: World 
         writer.close()
 
 
-def grpo(args: Args, engine, model: Qwen3, inputs, order: list[int], writer, world: World = World()) -> None:
-    """vLLM samples (the trainer's state waits in memory), sleeps while the trainer trains, wakes updated."""
+def grpo_step(step: int, sample, engine, model: Qwen3, optimizer: MasterWeights, ref_model, args: Args,
+              writer=None, world: World = World()) -> tuple[Rollouts, dict]:
+    """One GRPO step. vLLM generates the step's rollouts (`sample()`) as the trainer's state waits in memory,
+    sleeps while the trainer trains on them (every sampled token's logprob checked bit for bit against
+    vLLM's), and wakes with the new weights. Logs the step; returns every rank's rollouts and its scalars."""
+    times, memory, o = {}, {}, args.optimizer
+    with phase("generate", times, memory):
+        rollouts = sample()
+    with phase("train", times, memory):
+        engine.sleep()
+        ref_logprobs = None if ref_model is None else reference_logprobs(ref_model, rollouts, args, world)
+        metrics, logprobs = train_on_rollouts(model, optimizer, rollouts, ref_logprobs, args, world)
+        rollouts, logprobs = whole_step(rollouts, logprobs, world)  # every rank's samples
+        parity, first = compare_bits(rollouts.vllm_logprobs, logprobs, rollouts.completions, world)
+        log_parity(step, rollouts, logprobs, parity, args.parity.parity_report_tokens, world)
+        if first and (args.parity.assert_bitwise or args.parity.locate_divergence):
+            on_mismatch(first, engine, model, rollouts, parity, step, args, writer, world)
+        grad_norm, changes = optimizer.step(lr := lr_at(step, o), o.max_grad_norm, world)
+    with phase("push", times, memory):
+        engine.sync_weights(model, world, changed=weights_changed(changes, world))
+    deltas = weight_deltas(changes, world)
+    scalars = step_scalars(rollouts, metrics, parity, grad_norm, lr, deltas, times, memory)
+    log_step(writer, step, scalars, step_line(step, scalars, times, memory), world)
+    return rollouts, scalars
+
+
+def grpo(args: Args, engine, model: Qwen3, ref_model, inputs, order: list[int], writer,
+         world: World = World()) -> None:
+    """GRPO's steps from `inputs.start_step` on, with greedy evaluations, checkpoints and the run's
+    certificate of exactness (parity.json): the tokens checked, and mismatched."""
     s, o, run = args.sampling, args.optimizer, args.run
-    ref_model = reference_policy(model, world) if args.loss.kl_coef > 0 else None  # KL to GRPO's start
     optimizer = MasterWeights(model, o.lr, o.weight_decay, args.engine.offload_optimizer)
-    checkpoints = Checkpoints(model, optimizer, ref_model, inputs, args, world)  # host memory to save from
+    checkpoints = Checkpoints(model, functools.partial(hf_weights, model), optimizer, ref_model,
+                              inputs.model_dir, args, world)  # its host memory, made now
     totals = (restore_training_state(inputs.model_dir, optimizer, ref_model, args, world) if inputs.start_step
               else {"tokens_checked": 0, "mismatched_tokens": 0})
+
+    def evaluation(updates: int) -> None:  # greedy accuracy after `updates` GRPO steps
+        accuracy = evaluate(engine, inputs.tokenizer, inputs.eval_rows, s.max_new_tokens, inputs.stop_ids,
+                            world)
+        log_eval(writer, updates, accuracy, len(inputs.eval_rows), world)
     if run.eval_every and inputs.start_step % run.eval_every == 0:  # before training, or a resume when due
-        log_eval(engine, inputs, args, inputs.start_step, writer, world)
+        evaluation(inputs.start_step)
     for step in progress_bar(range(inputs.start_step, o.steps), "GRPO", world):
-        times, memory = {}, {}
-        with phase("generate", times, memory):
-            rows = step_rows(inputs.train_rows, order, step, s.prompts_per_step)
-            rollouts = rollout(engine, inputs.tokenizer, rows, args, step, inputs.stop_ids, world)
-        with phase("train", times, memory):
-            engine.sleep()
-            ref_logprobs = None if ref_model is None else reference_logprobs(ref_model, rollouts, args, world)
-            metrics, logprobs = train_on_rollouts(model, optimizer, rollouts, ref_logprobs, args, world)
-            rollouts, logprobs = whole_step(rollouts, logprobs, world)  # every rank's samples
-            parity, first = compare_bits(rollouts.vllm_logprobs, logprobs, rollouts.completions, world)
-            log_parity(step, rollouts, logprobs, parity, args.parity.parity_report_tokens, world)
-            if first and (args.parity.assert_bitwise or args.parity.locate_divergence):
-                on_mismatch(first, engine, model, rollouts, parity, step, args, writer, world)
-            grad_norm, changes = optimizer.step(lr := lr_at(step, o), o.max_grad_norm, world)
-            deltas = weight_deltas(changes, world)
-        with phase("push", times, memory):
-            engine.sync_weights(model, world, changed=any(magnitude for magnitude, _ in deltas.values()))
+        rows = step_rows(inputs.train_rows, order, step, s.prompts_per_step)
+        sample = functools.partial(rollout, engine, inputs.tokenizer, rows, args, step, inputs.stop_ids,
+                                   world)
+        rollouts, scalars = grpo_step(step, sample, engine, model, optimizer, ref_model, args, writer, world)
         totals["tokens_checked"] += sum(len(c) for c in rollouts.completions)
-        totals["mismatched_tokens"] += parity["mismatched_tokens"]
-        scalars = step_scalars(rollouts, metrics, parity, grad_norm, lr, deltas, times, memory)
-        log_step(writer, step, scalars, step_line(step, scalars, times, memory), world)
+        totals["mismatched_tokens"] += scalars["parity/mismatched_tokens"]
         last = step == o.steps - 1
         if run.eval_every and ((step + 1) % run.eval_every == 0 or last):
-            log_eval(engine, inputs, args, step + 1, writer, world)
+            evaluation(step + 1)
         if run.save_every >= 0 and (last or run.save_every and (step + 1) % run.save_every == 0):
             checkpoints.save(step + 1, totals, writer)  # written as the next step runs; the last waited for
-    if world.is_main:  # the run's certificate of exactness
+    if world.is_main:
         record = json.dumps(parity_record(args, model, totals), indent=2)
         write_whole(Path(writer.log_dir) / "parity.json", record)
 
@@ -1006,12 +1093,13 @@ def grpo(args: Args, engine, model: Qwen3, inputs, order: list[int], writer, wor
 def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool = False) -> Path:
     """Train; returns runs/<run>. Tests give a CPU stand-in `engine_class`; the script runs `quiet`."""
     args = check_args(args, torchrun_rank_and_size()[1])
-    inputs = load_inputs(args)
+    inputs = load_inputs(args, lambda config: model_shape(model_args_from_hf_config(config)), encode_dataset,
+                         ANSWER_AFTER_HASHES)
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
-    world = init_distributed(device)
+    world = World(*init_distributed(device))
     # Before vLLM starts: a model that cannot fit is refused, not run out of memory (the CPU is not planned).
-    keep_gathered = check_gpu_memory(inputs.model_args, args, world) if device == "cuda" else True
+    keep_gathered = check_gpu_memory(inputs.shape, args, world) if device == "cuda" else True
     if quiet:
         log_to_file(args.run.run_name, args.run.verbose, world)
     random.seed(args.data.seed)  # the loop draws from no global generator: seeded (and saved) for additions
@@ -1033,1054 +1121,17 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
         engine.sleep()
         warm_start(model, inputs, order, args, world)
         engine.sync_weights(model, world, changed=True)
+    ref_model = reference_policy(model) if args.loss.kl_coef > 0 else None  # KL to GRPO's start
+    if ref_model is not None and world.size > 1:
+        shard_model(ref_model, world)
     try:
-        grpo(args, engine, model, inputs, order, writer, world)
+        grpo(args, engine, model, ref_model, inputs, order, writer, world)
     finally:  # also on an error: a save under way ends, the failing step's parity scalars reach the disk
         Checkpoints.end_write(quietly=True)
         if world.is_main:  # on a full disk TensorBoard's last write fails too: not over the run's own error
             with suppress(OSError) if sys.exc_info()[0] else nullcontext():
                 writer.close()
     return Path("runs") / args.run.run_name
-
-
-# ===== Plumbing: flag and input checks, memory plan, several GPUs, checkpoints, logging, the locator =====
-# ----- Flag and input checks: each fails in one line (UsageError), before anything slow -----
-def meta_qwen3(args) -> Qwen3:
-    """A Qwen3 of this shape that takes no memory: its parameters' names and sizes."""
-    with torch.device("meta"):
-        return Qwen3(args)
-
-
-def existing_parent(path: Path) -> Path:
-    return next(p for p in (path, *path.absolute().parents) if p.exists())
-
-
-def check_resume(args: Args) -> tuple[Args, int]:
-    """The args of a resumed run (its name kept) and its step; names every flag contradicting the run."""
-    saved, step = saved_run(Path(args.run.resume))
-    if args.run.run_name not in (None, saved.run.run_name):
-        raise UsageError(f"--run-name {args.run.run_name}: a resumed run keeps its name "
-                         f"({saved.run.run_name}); leave --run-name out")
-    values = [(name, getattr(given, name), getattr(had, name)) for group in dataclasses.fields(Args)
-              for given, had in [(getattr(args, group.name), getattr(saved, group.name))]
-              for name, hint in typing.get_type_hints(type(given), include_extras=True).items()
-              if FIXED in getattr(hint, "__metadata__", ())]
-    clashes = [f"{flag(name)} {given!r} (the run has {had!r})" for name, given, had in values if given != had
-               and not (isinstance(given, str) and isinstance(had, str) and os.path.exists(given)
-                        and os.path.exists(had) and os.path.samefile(given, had))]  # a path, spelt otherwise
-    if clashes:
-        raise UsageError(f"--resume {args.run.resume}: {', '.join(clashes)} contradict the run it continues; "
-                         "leave them out to continue it as it was")
-    if step >= args.optimizer.steps:
-        raise UsageError(f"--resume {args.run.resume}: the run is at step {step} already; pass a larger "
-                         "--steps to train on")
-    return dataclasses.replace(args, run=dataclasses.replace(args.run, run_name=saved.run.run_name)), step
-
-
-def check_output(run: Run) -> None:
-    """runs/<run_name> and <output_dir>/<run_name> can be written, and a new run overwrites nothing."""
-    if not re.fullmatch(r"[\w.-]+", run.run_name) or run.run_name in (".", ".."):
-        raise UsageError(f"--run-name {run.run_name!r}: give a plain name (letters, digits, '.', '-', '_'): "
-                         "it names the folders runs/<name> and <output-dir>/<name>")
-    for root, what in ((Path(run.output_dir), "--output-dir"), (Path("runs"), "TensorBoard's runs/")):
-        existing = existing_parent(root)
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            raise UsageError(f"{what} {root}: {existing} is not a writable directory")
-        if not run.resume and (root / run.run_name).exists():
-            raise UsageError(f"--run-name {run.run_name}: {root / run.run_name} exists already; pick another "
-                             "name, or --resume one of its checkpoints")
-
-
-def check_args(args: Args, world_size: int) -> Args:
-    """Fails on flags that contradict each other, the environment or the output paths (each number's range is
-    checked as it is parsed); sets the run name (a timestamp) and warm-up <= steps."""
-    data, s, loss, o, e, r = args.data, args.sampling, args.loss, args.optimizer, args.engine, args.run
-    invariant, sequence = os.environ.get("VLLM_BATCH_INVARIANT"), data.max_prompt_tokens + s.max_new_tokens
-    checks = [
-        (s.samples_per_prompt >= 2, "--samples-per-prompt must be at least 2: GRPO normalises rewards "
-                                    "within each group"),
-        (0 < s.top_p <= 1, "--top-p must be in (0, 1] (1 keeps every token)"),
-        (s.temperature >= 1e-5, f"--temperature {s.temperature:g} is below 1e-5, where vLLM samples greedily "
-         "(and the trainer would divide by it)"),
-        (data.seed < 2**63 // 10**9, f"--seed must be below {2**63 // 10**9}: a step's sampling seeds, "
-         "seed * 1e9 + i, are 64-bit"),
-        (o.steps <= 10**8, "--steps must be at most 100,000,000 (a step takes seconds)"),
-        (not (data.thinking and data.prompt_format == "plain"), "--thinking opens a <think> block in Qwen3's "
-         "chat template: use --prompt-format chat or auto"),
-        (not (args.parity.locate_divergence and args.parity.assert_bitwise), "--locate-divergence is for "
-         "--no-assert-bitwise runs: a parity abort always locates the divergence"),
-        (loss.kl_coef == 0 or (s.top_k == 0 and s.top_p == 1), "--kl-coef must be 0 with --top-k or --top-p: "
-         "a sampled token can lie outside the reference policy's kept set, where the KL is infinite"),
-        (0 <= o.min_lr_ratio <= 1, "--min-lr-ratio must be between 0 and 1"),
-        (r.save_every >= -1, "--save-every must be >= -1 (0: a checkpoint after the last step only; -1: no)"),
-        (0 <= loss.correction_min < loss.correction_max, "need 0 <= --correction-min < --correction-max"),
-        (e.max_tokens_per_microbatch >= sequence, "--max-tokens-per-microbatch must hold one whole sequence "
-         "(>= --max-prompt-tokens + --max-new-tokens)"),
-        (0 < e.vllm_gpu_memory < 1, "--vllm-gpu-memory must be a fraction between 0 and 1"),
-        (not (data.dataset and r.eval_every and not data.eval_dataset),
-         "--dataset is local: pass --eval-dataset (a local test jsonl) too, or --eval-every 0"),
-        (invariant in (None, "0", "1"), f"VLLM_BATCH_INVARIANT is {invariant!r}, but vLLM reads it as an "
-         "integer: set VLLM_BATCH_INVARIANT=1"),
-        (not args.parity.assert_bitwise or invariant == "1",
-         f"VLLM_BATCH_INVARIANT is {invariant or 'not set'}, so vLLM's logprobs cannot equal the trainer's: "
-         "set VLLM_BATCH_INVARIANT=1, or pass --no-assert-bitwise to run anyway and report the mismatch"),
-        *[(n % world_size == 0, f"{name} {n} must be a multiple of the {world_size} processes")
-          for name, n in (("--prompts-per-step", s.prompts_per_step),
-                          ("--sft-batch-size", args.warm_start.sft_batch_size))],
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UsageError(message)
-    if r.resume:
-        args, _ = check_resume(args)
-    elif r.run_name is None:
-        name = time.strftime("grpo_%Y%m%d_%H%M%S")
-        args = dataclasses.replace(args, run=dataclasses.replace(r, run_name=name))
-    check_output(args.run)
-    if o.warmup_steps > o.steps:
-        print(f"note: --warmup-steps {o.warmup_steps} is more than --steps {o.steps}: the learning rate "
-              f"warms up over all {o.steps} steps")
-        args = dataclasses.replace(args, optimizer=dataclasses.replace(o, warmup_steps=o.steps))
-    return args
-
-
-def rope_parameters(config: dict) -> dict:
-    return config.get("rope_parameters") or config.get("rope_scaling") or {}
-
-
-def model_args_from_hf_config(config: dict):
-    """torchtitan's Qwen3ModelArgs from a Hugging Face `config.json` (checked by `read_config`)."""
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-    return Qwen3ModelArgs(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"], n_kv_heads=config["num_key_value_heads"],
-        vocab_size=config["vocab_size"], hidden_dim=config["intermediate_size"],
-        norm_eps=config["rms_norm_eps"], max_seq_len=config["max_position_embeddings"],
-        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        rope_theta=rope_parameters(config).get("rope_theta", config.get("rope_theta", 1_000_000)),
-        enable_weight_tying=config.get("tie_word_embeddings", False))
-
-
-def read_config(model_dir: Path) -> dict:
-    """A checkpoint's config.json, refused in one line (naming the file) if it cannot describe a Qwen3."""
-    path = model_dir / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise UsageError(f"{path}: cannot read it ({e.strerror})") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{path}: a JSON object of the model's settings was expected")
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-            "intermediate_size", "rms_norm_eps", "max_position_embeddings")
-    missing = [key for key in keys if key not in config]
-    if config.get("model_type") != "qwen3" or missing:
-        what = f"no {', '.join(missing)}" if missing else f"model_type is {config.get('model_type')!r}"
-        raise UsageError(f"{path}: {what}; this trainer needs a Hugging Face Qwen3 config")
-    for key in keys:
-        if not isinstance(config[key], (int, float)) or isinstance(config[key], bool) or not config[key] > 0:
-            raise UsageError(f"{path}: {key} is {config[key]!r}; it must be a number > 0")
-    rope = rope_parameters(config)
-    unsupported = {"hidden_act": config.get("hidden_act", "silu") != "silu",
-                   "attention_bias": bool(config.get("attention_bias", False)),
-                   "rope scaling": rope.get("rope_type", rope.get("type", "default")) != "default",
-                   "sliding window": bool(config.get("use_sliding_window", False))}
-    for name, bad in unsupported.items():
-        if bad:
-            raise UsageError(f"{path}: {name} is not supported by this trainer (plain Qwen3 only)")
-    return config
-
-
-def check_checkpoint(model_dir: Path, args, source: str = "--model") -> None:
-    """Its weights' names, shapes and dtype against config.json (`source`: the flag that named it)."""
-    from safetensors import SafetensorError, safe_open  # headers only: fail before anything slow starts
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise UsageError(f"{source} {model_dir}: no *.safetensors weights in the directory")
-    found = {}  # name -> (shape, dtype)
-    for f in files:
-        try:
-            with safe_open(f, "pt") as weights:
-                found |= {name: (tuple(weights.get_slice(name).get_shape()),
-                                 weights.get_slice(name).get_dtype()) for name in weights.keys()}
-        except SafetensorError as e:
-            raise UsageError(f"{source} {model_dir}: {f.name} is not a whole safetensors file ({e}); "
-                             "download or save it again") from None
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in hf_weights(Qwen3(args))}
-    if args.enable_weight_tying:
-        found.pop("lm_head.weight", None)  # some tied checkpoints store the head too; it is the embedding
-    problems = [f"missing {name}" for name in sorted(expected.keys() - found.keys())]
-    problems += [f"unexpected {name}" for name in sorted(found.keys() - expected.keys())]
-    problems += [f"{name} is {list(found[name][0])}, config.json needs {list(shape)}"
-                 for name, shape in expected.items() if name in found and found[name][0] != shape]
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise UsageError(f"{source} {model_dir}: the weights do not match config.json: "
-                         + "; ".join(problems[:3]) + more)
-    other = sorted({dtype for _, dtype in found.values()} - {"BF16"})
-    if other:  # vLLM would serve them rounded to bf16, the trainer would train other weights
-        raise UsageError(f"{source} {model_dir}: the weights are {', '.join(other)}; both sides run bf16 "
-                         "weights: save the checkpoint in bfloat16")
-
-
-def check_training_state(checkpoint: Path) -> None:
-    """--resume: DCP's index of the training state, every file it names as long as it says, parity.json; a
-    checkpoint copied in part fails here, not in `dcp.load` once vLLM has started."""
-    state, problem = checkpoint / "training_state", None
-    try:
-        ends = {}
-        for item in dcp.FileSystemReader(state).read_metadata().storage_data.values():
-            ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
-        for name, end in sorted(ends.items()):
-            size = (state / name).stat().st_size if (state / name).is_file() else None
-            if problem is None and (size is None or size < end):
-                cut = "missing" if size is None else f"cut short: {size:,} of {end:,} bytes"
-                problem = f"{name} is {cut}"
-        parity = json.loads((state / "parity.json").read_text())
-        lacks = {"stack", "tokens_checked", "mismatched_tokens"} - parity.keys()  # what resuming reads of it
-        problem = problem or (f"parity.json lacks {', '.join(sorted(lacks))}" if lacks else None)
-    except Exception as e:  # the index or parity.json missing or unreadable (not DCP's, not JSON, not ours)
-        problem = f"{type(e).__name__}: {e}".splitlines()[0]
-    if problem:
-        raise UsageError(f"--resume {checkpoint}: its training state is broken ({problem}); copy it again "
-                         "whole, or resume from an earlier checkpoint")
-
-
-def load_gsm8k(split: str) -> list[dict]:
-    """[{question, answer}] of openai/gsm8k 'main' from `datasets` (a local jsonl: `read_gsm8k_jsonl`)."""
-    from datasets import load_dataset
-    return [{"question": r["question"], "answer": r["answer"]} for r in load_dataset("openai/gsm8k", "main",
-                                                                                     split=split)]
-
-
-def read_gsm8k_jsonl(path: str) -> list[dict]:
-    """[{question, answer}] of a local GSM8K-format jsonl, each line checked."""
-    if not Path(path).is_file():
-        raise UsageError(f"{path}: {'a directory' if Path(path).is_dir() else 'no such file'} (expected a "
-                         "GSM8K-format jsonl file)")
-    try:
-        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # a BOM, as Windows editors write
-    except UnicodeDecodeError:
-        raise UsageError(f"{path}: not UTF-8 text (save the jsonl as UTF-8)") from None
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"{path} line {n}: not valid JSON") from None
-        if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))):
-            raise UsageError(f"{path} line {n}: need a JSON object with string fields 'question', 'answer'")
-        # GSM8K's answers end in '#### N': a bare last number would be a guess at the answer.
-        if not ANSWER_AFTER_HASHES.search(row["answer"]):
-            raise UsageError(f"{path} line {n}: the answer does not end in '#### N' with N a number "
-                             "(GSM8K's format)")
-        rows.append({"question": row["question"], "answer": row["answer"]})
-    if not rows:
-        raise UsageError(f"{path}: no examples")
-    return rows
-
-
-def encoded_split(path: str | None, split: str, name: str, tokenizer, data: Data) -> list[dict]:
-    """A split's questions tokenised (`encode_dataset`), saying how many prompts were too long."""
-    if path is None:
-        try:
-            rows = load_gsm8k(split)
-        except Exception as e:
-            raise UsageError(f"cannot load openai/gsm8k from the hub ({type(e).__name__}): pass --dataset "
-                             "and --eval-dataset with local jsonl files") from e
-    else:
-        rows = read_gsm8k_jsonl(path)
-    kept = encode_dataset(rows, tokenizer, data)
-    if not kept:
-        raise UsageError(f"{name}: every prompt exceeds --max-prompt-tokens {data.max_prompt_tokens}")
-    if len(kept) < len(rows):
-        print(f"{name}: {len(rows) - len(kept)} of {len(rows)} prompts exceed --max-prompt-tokens "
-              f"{data.max_prompt_tokens} and are skipped")
-    return kept
-
-
-def resolve_model_dir(model: str) -> Path:
-    path = Path(model)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UsageError(f"--model {model}: the directory has no config.json (need a Hugging Face Qwen3 "
-                             "checkpoint)")
-        return path
-    if path.exists() or model.startswith((".", "/")) or model.count("/") != 1:
-        raise UsageError(f"--model {model}: not a checkpoint directory, nor a hub id like Qwen/Qwen3-1.7B")
-    from huggingface_hub import snapshot_download
-    try:
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
-    except Exception as e:
-        raise UsageError(f"--model {model}: cannot download it from the hub ({type(e).__name__}); pass a "
-                         "local checkpoint directory") from e
-
-
-def end_of_sequence_ids(tokenizer, model_dir: Path) -> list[int]:
-    eos = read_config(model_dir).get("eos_token_id")
-    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
-    if not ids:
-        raise UsageError(f"{model_dir}: neither the tokenizer nor config.json names an end-of-sequence token")
-    return sorted(ids)
-
-
-def in_units(n: float) -> str:
-    return next(f"{n / 2**k:.1f} {unit}" for k, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B"))
-                if n >= 2**k or k == 0)
-
-
-def checkpoint_bytes(args: Args, model_args) -> int:
-    """16 bytes a parameter (18 with a reference): the bf16 weights, fp32 master and 2 AdamW moments (14),
-    and a margin for the files' own bytes."""
-    return sum(p.numel() for p in meta_qwen3(model_args).parameters()) * (18 if args.loss.kl_coef else 16)
-
-
-def check_disk(args: Args, model_args) -> None:
-    """A save writes the new checkpoint before it removes the oldest: --keep-last + 1 of them at once.
-    Refuses a run whose first checkpoint cannot fit; warns of one whose later ones will not."""
-    one, root = checkpoint_bytes(args, model_args), Path(args.run.output_dir)
-    saves = args.optimizer.steps // args.run.save_every + 1 if args.run.save_every else 1
-    most = one * min(saves, args.run.keep_last + 1 if args.run.keep_last else saves)
-    free = shutil.disk_usage(existing_parent(root)).free
-    if free < one:
-        raise UsageError(f"--output-dir {root}: {in_units(free)} free, but a checkpoint of this model takes "
-                         f"about {in_units(one)}; free some, give another --output-dir, or --save-every -1")
-    if free < most:
-        print(f"warning: {root} has {in_units(free)} free; the run's checkpoints take up to {in_units(most)} "
-              "at once (--keep-last + 1): a later save will fail")
-
-
-@dataclass
-class Inputs:
-    """Everything read before the engine starts: a bad input fails before anything slow."""
-    model_dir: Path  # the checkpoint both sides load: --model, or the one --resume continues from
-    model_args: object  # its shape (torchtitan's Qwen3ModelArgs)
-    start_step: int  # GRPO steps already made: 0, or the resumed checkpoint's step
-    tokenizer: object
-    stop_ids: list[int]
-    train_rows: list[dict]
-    eval_rows: list[dict]
-
-
-def load_inputs(args: Args) -> Inputs:
-    from importlib.metadata import version
-    from transformers import AutoTokenizer
-    if version("vllm") != "0.20.0":
-        raise UsageError(f"vLLM {version('vllm')} is installed; this script mirrors vLLM 0.20.0's kernels: "
-                         "pip install vllm==0.20.0")
-    model_dir = Path(args.run.resume) if args.run.resume else resolve_model_dir(args.data.model)
-    model_args = model_args_from_hf_config(read_config(model_dir))
-    longest = args.data.max_prompt_tokens + args.sampling.max_new_tokens
-    if longest > model_args.max_seq_len:
-        raise UsageError(f"--max-prompt-tokens + --max-new-tokens = {longest}, but the model has "
-                         f"{model_args.max_seq_len} positions ({model_dir}/config.json: "
-                         "max_position_embeddings)")
-    try:
-        check_bitwise_head_dim(model_args.head_dim, longest, model_dir)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    source = "--resume" if args.run.resume else "--model"  # a checkpoint's weights are named as such
-    check_checkpoint(model_dir, model_args, source)
-    if args.run.resume:
-        check_training_state(model_dir)
-    if args.run.save_every >= 0:
-        check_disk(args, model_args)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as e:
-        raise UsageError(f"{source} {model_dir}: cannot load its tokenizer ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0]})") from e
-    if not 1 < len(tokenizer) <= model_args.vocab_size:  # transformers makes a 1-token one with no files
-        raise UsageError(f"{source} {model_dir}: its tokenizer has {len(tokenizer)} token(s) for a "
-                         f"vocabulary of {model_args.vocab_size} (its files missing, or another model's)")
-    if args.data.prompt_format == "chat" and tokenizer.chat_template is None:
-        raise UsageError("--prompt-format chat: this tokenizer has no chat template; use plain or auto")
-    if args.sampling.top_k > model_args.vocab_size:
-        raise UsageError(f"--top-k {args.sampling.top_k} is more than the vocabulary's "
-                         f"{model_args.vocab_size} tokens (0 keeps them all)")
-    train_rows = encoded_split(args.data.dataset, "train", "train set", tokenizer, args.data)
-    if args.sampling.prompts_per_step > len(train_rows):
-        raise UsageError(f"--prompts-per-step {args.sampling.prompts_per_step} is more than the train set's "
-                         f"{len(train_rows)} questions")
-    eval_rows = encoded_split(args.data.eval_dataset, "test", "eval set", tokenizer, args.data) \
-        if args.run.eval_every else []
-    return Inputs(model_dir, model_args, saved_run(model_dir)[1] if args.run.resume else 0, tokenizer,
-                  end_of_sequence_ids(tokenizer, model_dir), train_rows, eval_rows[: args.run.eval_samples])
-
-
-# ----- The memory plan: what each GPU holds, checked before vLLM starts -----
-GiB = 2**30
-# Besides the tensors counted below (measured on an H100, tests/test_gpu_memory.py): the CUDA context with its
-# kernels' workspaces; what a sleeping engine keeps (its CUDA graphs' pool, sampler buffers); what vLLM needs
-# to start besides its weights and a sequence's KV cache (activations while it profiles, graphs); a process's
-# host memory besides an offloaded optimizer and saves' copies (torch, vLLM, an offloaded step's staging).
-CUDA_CONTEXT_BYTES = 0.75 * GiB
-VLLM_ASLEEP_BYTES = 1.0 * GiB
-VLLM_SAMPLER_BYTES = 1.0 * GiB  # outside vLLM's share: its sampler's temporaries over the vocabulary
-VLLM_WORKING_BYTES = 3.0 * GiB
-HOST_BYTES_PER_PROCESS = 8.0 * GiB
-USABLE = 0.97  # of the GPU's memory
-# PyTorch's caching allocator keeps blocks that micro-batches freed but split (measured: a third of a
-# micro-batch's bytes while training, a tenth to a seventh of them beside vLLM).
-CACHED_WHILE_TRAINING, CACHED_WHILE_GENERATING = 0.35, 0.15
-CACHED_BESIDE_GRADIENTS = 0.25  # and a quarter of the fp32 gradient sums' size while training (8B shape)
-
-
-def parameter_counts(model_args) -> tuple[int, int]:
-    """(parameters in all, in one transformer block)."""
-    model = meta_qwen3(model_args)
-    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.layers[0].parameters())
-
-
-def memory_plan(model_args, args: Args, gpus: int, gpu_bytes: int,
-                keep_gathered: bool = False) -> dict[str, dict[str, float]]:
-    """Bytes one GPU holds at the peak of each phase, by what holds them: while vLLM generates (the trainer's
-    state waits), while the trainer runs a micro-batch (vLLM asleep), and while AdamW steps. FSDP2 shards the
-    trainer over torchrun's `gpus` processes (`keep_gathered`: see `shard_model`); each runs a vLLM engine."""
-    e, (n, block) = args.engine, parameter_counts(model_args)
-    shard, on_gpu = n / gpus, 0 if e.offload_optimizer else 1
-    state = {"bf16 weights": 2 * shard, "fp32 masters": 4 * shard * on_gpu,
-             "AdamW moments": 8 * shard * on_gpu}
-    if args.loss.kl_coef:
-        state["reference policy"] = 2 * shard
-    fsdp = {}  # FSDP2: the root (embedding, lm_head), two blocks, a block's gradient reduced in fp32
-    if gpus > 1 and keep_gathered:  # the whole bf16 weights, their gradients summed whole in fp32
-        fsdp = {"weights gathered": 2 * n, "unsharded fp32 gradients": 4 * n + 4 * block}
-    elif gpus > 1:
-        fsdp["gathered by FSDP2"] = 2 * (n - model_args.n_layers * block) + 4 * block + 6 * block
-    context, asleep = {"CUDA context": CUDA_CONTEXT_BYTES}, {"vLLM asleep": VLLM_ASLEEP_BYTES}
-    grads = {"fp32 gradient sums": 4 * shard}
-    # bf16 gradients: one at a time (the embedding's the largest), under FSDP2 this rank's shards of them all
-    embedding, offloaded = model_args.vocab_size * model_args.dim, (1 - on_gpu) / gpus  # the largest weight
-    bf16_grads = 2 * (shard if gpus > 1 and not keep_gathered else embedding)
-    micro_batch = micro_batch_bytes(model_args, e.max_tokens_per_microbatch, e.activation_checkpointing,
-                                    bf16_grads)
-    return {
-        "generating": context | {"vLLM": e.vllm_gpu_memory * gpu_bytes + VLLM_SAMPLER_BYTES} | state
-        | {"PyTorch's cache": CACHED_WHILE_GENERATING * micro_batch},
-        "training": context | asleep | state | fsdp | grads | {
-            "activations, bf16 gradients": micro_batch,
-            "PyTorch's cache": CACHED_WHILE_TRAINING * micro_batch + CACHED_BESIDE_GRADIENTS * 4 * shard},
-        # fused AdamW: no temporary; offloaded, a weight's copies that measure its change lie beside the sums
-        "the optimizer step": context | asleep | state | grads | {"fp32 copies": 14 * embedding * offloaded},
-    }
-
-
-def memory_problem(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None,
-                   keep_gathered: bool = False):
-    """What does not fit in the GPU's `gpu_bytes`, or in `host` = (bytes available, processes sharing them);
-    None if everything fits."""
-    a, e, (n, _) = model_args, args.engine, parameter_counts(model_args)
-    sequence = args.data.max_prompt_tokens + args.sampling.max_new_tokens
-    vllm = 2 * n + 2 * 2 * a.n_layers * a.n_kv_heads * a.head_dim * sequence + VLLM_WORKING_BYTES
-    if vllm > e.vllm_gpu_memory * gpu_bytes:
-        return (f"vLLM's share (--vllm-gpu-memory {e.vllm_gpu_memory:g}: "
-                f"{e.vllm_gpu_memory * gpu_bytes / GiB:.1f} GiB) cannot hold its weights, a sequence's KV "
-                f"cache and its workspace ({vllm / GiB:.1f} GiB)")
-    for stage, parts in memory_plan(model_args, args, gpus, gpu_bytes, keep_gathered).items():
-        if sum(parts.values()) > USABLE * gpu_bytes:
-            largest = sorted(parts.items(), key=lambda part: -part[1])[:4]
-            return (f"{stage} needs {sum(parts.values()) / GiB:.1f} of the GPU's {gpu_bytes / GiB:.1f} GiB ("
-                    + ", ".join(f"{what} {size / GiB:.1f}" for what, size in largest) + ")")
-    saves, meta = args.run.save_every >= 0, meta_qwen3(model_args)  # saves copy the GPU's tensors to the host
-    pinned = lambda nbytes: saves * sum(1 << (int(b) - 1).bit_length() for b in nbytes)  # as PyTorch rounds
-    fp32 = pinned(4 * p.numel() / gpus for p in meta.parameters())  # bf16: half, as a power of two is
-    state = (12 * n / gpus if e.offload_optimizer else 3 * fp32) + bool(args.loss.kl_coef) * fp32 / 2  # + ref
-    if host is not None and state:
-        available, processes = host
-        needs = processes * (state + HOST_BYTES_PER_PROCESS) + pinned(t.nbytes for _, t in hf_weights(meta))
-        if needs > available:
-            return (f"the optimizer's state, offloaded or copied by saves, needs {needs / GiB:.1f} GiB of "
-                    f"host memory, {available / GiB:.1f} GiB are available")
-    return None
-
-
-def check_memory(model_args, args: Args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None) -> bool:
-    """Refuses a run that would run out of GPU (or host) memory, naming changes with which it would fit.
-    Returns whether a sharded trainer fits with a step's weights kept gathered (`shard_model`)."""
-    problem = memory_problem(model_args, args, gpus, gpu_bytes, host)
-    if problem is None:
-        return gpus > 1 and not memory_problem(model_args, args, gpus, gpu_bytes, host, keep_gathered=True)
-    e = args.engine
-
-    def engine(**changes) -> Args:
-        return dataclasses.replace(args, engine=dataclasses.replace(e, **changes))
-    shortest, tokens = args.data.max_prompt_tokens + args.sampling.max_new_tokens, e.max_tokens_per_microbatch
-    kinds = [  # each kind of change, from the least to the most
-        [("--activation-checkpointing", engine(activation_checkpointing=True), gpus)],
-        [(f"--max-tokens-per-microbatch {t}", engine(max_tokens_per_microbatch=t), gpus)
-         for t in (tokens // 2, tokens // 4) if t >= shortest],
-        [("--offload-optimizer", engine(offload_optimizer=True), gpus),
-         ("--offload-optimizer --activation-checkpointing",
-          engine(offload_optimizer=True, activation_checkpointing=True), gpus)],
-        [(f"--vllm-gpu-memory {share:g}", engine(vllm_gpu_memory=share), gpus)
-         for share in (0.4, 0.3) if share < e.vllm_gpu_memory],
-        [(f"torchrun --nproc-per-node {n}{flag}", changed, n) for n in (2, 4, 8) if n > gpus
-         for flag, changed in (("", args), (" --activation-checkpointing",
-                                            engine(activation_checkpointing=True)))],
-        [("--save-every -1", dataclasses.replace(args, run=dataclasses.replace(args.run, save_every=-1)),
-          gpus)],  # host memory: no saves, no copies
-    ]
-    fits = [next((what for what, changed, n in kind if not memory_problem(
-        model_args, changed, n, gpu_bytes, host and (host[0], host[1] * n // gpus))), None) for kind in kinds]
-    fits = [what for what in fits if what][:3]
-    raise UsageError(f"{parameter_counts(model_args)[0] / 1e9:.2f}B parameters do not fit: {problem}; "
-                     + (f"it would fit with {' or '.join(fits)}" if fits else "no one change makes it fit"))
-
-
-def check_gpu_memory(model_args, args: Args, world: World) -> bool:
-    """`check_memory` on this rank's GPU and host; prints the plan once."""
-    gpu_bytes = torch.cuda.mem_get_info()[1]
-    try:
-        available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
-                         if line.startswith("MemAvailable"))
-        host = (available, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except (OSError, StopIteration):  # not Linux: the host is not checked
-        host = None
-    keep_gathered = check_memory(model_args, args, world.size, gpu_bytes, host)
-    if world.is_main:
-        peaks = [f"{stage} {sum(parts.values()) / GiB:.1f}" for stage, parts
-                 in memory_plan(model_args, args, world.size, gpu_bytes, keep_gathered).items()]
-        fsdp = "; FSDP2 keeps a step's weights gathered" if keep_gathered else ""
-        print(f"GPU memory planned, GiB of {gpu_bytes / GiB:.1f}: {', '.join(peaks)}{fsdp}")
-    return keep_gathered
-
-
-# ----- Several GPUs (torchrun): data parallel, FSDP2-sharded trainer -----
-def gathered(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # a whole DTensor: every rank must call this
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # this rank's shard of a sharded tensor
-
-
-def gather(x: torch.Tensor, world: World) -> torch.Tensor:
-    """Every rank's 1-D tensor (lengths may differ) in rank order; not pickled: that took 0.4-0.8 s."""
-    if world.size == 1:
-        return x
-    device = world._device()
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world.size)]
-    dist.all_gather(lengths, torch.tensor([len(x)], device=device))
-    lengths = [int(n) for n in lengths]
-    parts = [torch.empty(max(lengths), dtype=x.dtype, device=device) for _ in range(world.size)]
-    dist.all_gather(parts, F.pad(x.to(device), (0, max(lengths) - len(x))))  # padded: equal sizes
-    return torch.cat([part[:n] for part, n in zip(parts, lengths)]).to(x.device)
-
-
-def barrier(world: World) -> None:
-    if world.size > 1:
-        dist.barrier()
-
-
-def init_distributed(device: str) -> World:
-    """Under torchrun (WORLD_SIZE > 1) join the process group (NCCL, or gloo on CPU) on this rank's GPU."""
-    size = torchrun_rank_and_size()[1]
-    if size > 1 and not dist.is_initialized():
-        if device == "cuda":
-            gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(gpu)
-            # device_id connects NCCL now: vLLM's batch-invariant mode later sets NCCL_MAX_NCHANNELS=1 and
-            # NCCL_NTHREADS=1, read at connect, and FSDP would run on one channel (~1/10 speed, 2 GPUs = 1).
-            dist.init_process_group("nccl", device_id=gpu)
-        else:
-            dist.init_process_group("gloo")
-    return World(dist.get_rank(), size) if size > 1 else World()
-
-
-def shard_model(model: Qwen3, world: World, keep_gathered: bool = False) -> Qwen3:
-    """FSDP2, a unit per block plus the root (embedding, final norm, maybe-tied lm_head). Gradients
-    reduce-scatter as fp32 sums, not means: the loss is already divided by all ranks' token count.
-    `keep_gathered`: a step gathers the weights and reduce-scatters once (`reduce_gradients_after`)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(model.device.type, (world.size,))
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    for unit in (*model.layers, model):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
-    model.keep_gathered = keep_gathered
-    return model
-
-
-def reduce_gradients_after(model: Qwen3, last: bool) -> None:
-    """Before a micro-batch. FSDP2's default gathers each block's weights in every micro-batch's forward and
-    backward, and reduce-scatters its gradients after it. With `keep_gathered` the weights stay gathered and
-    the gradients are summed whole in fp32 until the step's last micro-batch, which reduce-scatters them:
-    two all-gathers and one reduce-scatter a step. A forward outside a step reshards (no stale copy)."""
-    if getattr(model, "keep_gathered", False):
-        model.set_reshard_after_forward(last)
-        model.set_requires_gradient_sync(last)
-        model.set_reshard_after_backward(last)
-
-
-def reference_policy(model: Qwen3, world: World = World()) -> Qwen3:
-    """A frozen copy of the policy (KL's reference), sharded as the policy is."""
-    with torch.device(model.device):
-        ref_model = Qwen3(model.args, model.kernels, model.tok_embeddings.weight.dtype).requires_grad_(False)
-    with torch.no_grad():
-        for p, ref in zip(model.parameters(), ref_model.parameters(), strict=True):
-            ref.copy_(gathered(p))  # one gathered weight at a time
-    return shard_model(ref_model, world) if world.size > 1 else ref_model
-
-
-def shard_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor sharded as `param` is (an FSDP2 DTensor), as a DTensor DCP can save and
-    reshard, without a copy: it loads into `local`, on the host too (FSDP2 builds its offloaded shards so)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    if not isinstance(param, DTensor):
-        return local
-    meta = TensorMeta(param.shape, param.stride(), local.dtype)
-    spec = DTensorSpec(param.device_mesh, param.placements, meta)
-    return DTensor(local, spec, requires_grad=False)
-
-
-def whole_step(rollouts: Rollouts, trainer_logprobs: list, world: World) -> tuple[Rollouts, list]:
-    """Every rank's samples and trainer logprobs in rank (= sample) order: parity sees the whole step."""
-    if world.size == 1:
-        return rollouts, trainer_logprobs
-
-    def gathered_list(pieces: list, dtype: torch.dtype, lengths: list[int]) -> list[torch.Tensor]:
-        flat = torch.cat([torch.as_tensor(p, dtype=dtype) for p in pieces])
-        return list(gather(flat, world).split(lengths))
-    r = rollouts
-    prompt_lens, completion_lens = (gather(torch.tensor([len(s) for s in seqs]), world).tolist()
-                                    for seqs in (r.prompts, r.completions))
-    prompts = [t.tolist() for t in gathered_list(r.prompts, torch.int64, prompt_lens)]
-    completions = [t.tolist() for t in gathered_list(r.completions, torch.int64, completion_lens)]
-    step = Rollouts(prompts, completions, gathered_list(r.vllm_logprobs, torch.float32, completion_lens),
-                    gather(r.rewards, world), gather(r.advantages, world))
-    return step, gathered_list(trainer_logprobs, torch.float32, completion_lens)
-
-
-# ----- Checkpoints and resume: Hugging Face weights, sharded training state, the parity record -----
-def to_host(t: torch.Tensor, wait: bool = True) -> torch.Tensor:
-    """Into pinned memory, reused from copy to copy (fresh pageable memory copied at 1.3 GB/s on an H100).
-    wait=False: the copy is queued on the stream; synchronize before reading it."""
-    if t.is_cuda:
-        t = t.to("cpu", non_blocking=True)  # non_blocking: into PyTorch's cache of pinned host memory
-        if wait:
-            torch.cuda.current_stream().synchronize()
-    return t
-
-
-def to_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A host tensor onto `like`'s GPU, through pinned memory (queued: a pageable copy would block)."""
-    if t.device == like.device:
-        return t
-    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
-    return staged.to(like.device, non_blocking=True)
-
-
-def stepped_on_host(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], grads: list[torch.Tensor]):
-    """Offload (`MasterWeights`): each master after its AdamW step on the CPU; the next gradient is copied
-    meanwhile."""
-    pending = to_host(grads[0], wait=False)
-    for i, master in enumerate(masters):
-        if pending.is_pinned():
-            torch.cuda.current_stream().synchronize()  # gradient i has arrived
-        master.grad, pending = pending, to_host(grads[i + 1], wait=False) if i + 1 < len(grads) else None
-        grads[i] = None
-        optimizer.step()  # only this master has a gradient
-        master.grad = None
-        yield master
-
-
-TRAINING_STATE = "training_state"  # vLLM and transformers read only the top level: a plain HF checkpoint
-SHARD_BYTES = 4 * 2**30  # weights past this go in model-0000i-of-0000n.safetensors shards, as the hub's do
-TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template",
-                   "generation_config")
-
-
-def write_hf_checkpoint(weights: dict, source_dir: Path, directory: Path) -> None:
-    """Host `weights` (HF names) as the hub's safetensors files, with the source's config and tokenizer."""
-    names, sizes = list(weights), [t.nbytes for t in weights.values()]
-    shards = [[names[i] for i in shard] for shard in bins(sizes, SHARD_BYTES)]
-    files = ([f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-             if len(shards) > 1 else ["model.safetensors"])
-    for file, shard in zip(files, shards):
-        save_file({name: weights[name] for name in shard}, directory / file, metadata={"format": "pt"})
-    if len(files) > 1:
-        index = {"metadata": {"total_size": sum(sizes)},
-                 "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
-        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = json.dumps(read_config(source_dir) | {"torch_dtype": "bfloat16"}, indent=2)
-    (directory / "config.json").write_text(config)
-    for f in source_dir.iterdir():
-        if f.name.startswith(TOKENIZER_FILES):
-            shutil.copy(f, directory / f.name)
-
-
-def training_state(optimizer: MasterWeights, ref_model) -> dict:
-    """What --resume needs beyond the weights, for DCP."""
-    adam = optimizer.optimizer.state
-    named = [(name, p, master) for (name, p), master in zip(optimizer.named, optimizer.masters)]
-    rng = {"python": torch.tensor(random.getstate()[1]), "torch": torch.get_rng_state()}
-    state = {"masters": {name: shard_like(master, p) for name, p, master in named},
-             "adam": {name: {key: shard_like(t, p) if t.dim() else t for key, t in adam[master].items()}
-                      for name, p, master in named},
-             "rng": rng | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
-    if ref_model is not None:
-        state["reference"] = dict(ref_model.named_parameters())
-    return state
-
-
-def stack_versions() -> dict:
-    from importlib.metadata import version
-    smi = shutil.which("nvidia-smi")
-    driver = smi and os.popen(f"{smi} --query-gpu=driver_version --format=csv,noheader").read().split("\n")[0]
-    return {"torch": torch.__version__, "vllm": version("vllm"), "triton": version("triton"),
-            "cuda": torch.version.cuda, "driver": driver or None,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-
-
-def parity_record(args: Args, model: Qwen3, totals: dict) -> dict:
-    a, device, exact = model.args, model.device, os.environ.get("VLLM_BATCH_INVARIANT") == "1"
-    sms = _num_sms(device) if device.type == "cuda" else 132  # an H100's, for a run on the CPU
-    gemms = qwen3_gemms(a.dim, a.hidden_dim, a.n_heads, a.n_kv_heads, a.head_dim, a.vocab_size)
-    tiles = {f"{name} rows={m}": list(matmul_tiles(m, n, sms).values())
-             for name, (n, _) in gemms.items() for m in (1, 32, 256, 8192)}
-    kernels = {"batch_invariant": exact, "model_runner": "V2" if exact else "V1",  # as VLLMEngine runs
-               "cuda_graphs": CUDA_GRAPHS if args.engine.vllm_cuda_graphs else "eager",
-               "matmul_tiles (BLOCK_M, BLOCK_N, warps, stages)": tiles}
-    return {"stack": stack_versions(), "kernels": kernels, "sampling": asdict(args.sampling), **totals}
-
-
-def write_whole(path: Path, text: str) -> None:
-    """All of `text`, or on a full disk the file as it was: a certificate is never left cut short."""
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        partial.write_text(text)
-        partial.replace(path)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
-class CheckpointError(Exception):
-    """A save that failed (a full disk): one line, exit status 1; the earlier checkpoints stand."""
-
-
-class Checkpoints(dcp.FileSystemWriter):
-    """<output_dir>/<run_name>/step_N, written as training goes on: `save` copies what the step left to host
-    memory, which dcp.async_save's thread (not a process: it writes the copies where they lie) writes; `wait`
-    (before the next save, at the last step, on an error) renames it once whole, keeping --keep-last. To DCP
-    this is a rank's stager and writer, in one thread (DCP drops a writer thread's error)."""
-    under_way = None  # the instance whose save is being written: one at a time in a process
-
-    def __init__(self, model: Qwen3, optimizer: MasterWeights, ref_model, inputs, args: Args,
-                 world: World = World()):
-        # Page cache only (syncing doubled the save time): a kill keeps every save, a power cut earlier ones.
-        # Host tensors only: no copy ahead, so no CUDA stream in DCP's thread (on GPU 0, whatever the rank).
-        super().__init__(args.run.output_dir, sync_files=False, per_thread_copy_ahead=0)  # folder: per save
-        self.model, self.optimizer, self.ref_model, self.inputs, self.args, self.world = (
-            model, optimizer, ref_model, inputs, args, world)
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # `save`; vLLM's NCCL
-        if not optimizer.masters[0].is_cuda:  # its state is written where it lies (`stage`): AdamW waits
-            optimizer.optimizer.register_step_pre_hook(lambda *_: Checkpoints.end_write())  # no cycle to self
-        if args.run.save_every >= 0:  # pinned memory is slow to make: now, not in the first save
-            self.stage({"state": training_state(optimizer, ref_model),
-                        "weights": {name: self.stage(t) for name, t in hf_weights(model) if world.is_main}})
-
-    def stage(self, t):
-        """In host memory training leaves alone: GPU tensors in PyTorch's pinned memory (`to_host`; freed, it
-        serves the next save), host scalars cloned, other host tensors (offloaded: not copied) as they lie."""
-        if isinstance(t, dict):
-            return {k: self.stage(v) for k, v in t.items()}
-        local = local_part(t)
-        return shard_like(to_host(local), t) if local.is_cuda else t.clone() if t.dim() == 0 else t
-
-    def save(self, step: int, totals: dict, tensorboard=None) -> None:
-        """Starts writing step_N; `held`: the seconds training waited (the last step waits for the write)."""
-        begun, args, world, writing = time.perf_counter(), self.args, self.world, Checkpoints.under_way
-        self.wait()
-        if writing is self and world.is_main and (waited := time.perf_counter() - begun) > 1:  # a slow disk
-            print(f"checkpoint step_{step:06d} waited {waited:.1f} s for {self.out_dir.name}'s write "
-                  f"({self.ended - self.begun:.1f} s, against {begun - self.begun:.1f} s of steps between "
-                  "the saves): save less often (--save-every) or to a faster disk")
-        self.out_dir = Path(args.run.output_dir) / args.run.run_name / f"step_{step:06d}"
-        self.tmp = self.out_dir.with_name(f".{self.out_dir.name}.partial")
-        if world.is_main:  # a partial folder a killed run left goes (DCP makes the new one, in its thread)
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            if tensorboard is not None:  # it holds every step up to here: should the run die
-                tensorboard.flush()
-        barrier(world)
-        self.totals, self.saved, self.tensorboard = totals, dict(totals), tensorboard
-        self.run = {"args": asdict(args), "step": step, "world_size": world.size}
-        self.hf = {n: self.stage(t) for n, t in hf_weights(self.model) if world.is_main}  # all ranks gather
-        # DCP's collectives run in its thread: on a group of their own (gloo: async_save wants a CPU one)
-        self.future = dcp.async_save(training_state(self.optimizer, self.ref_model), storage_writer=self,
-                                     checkpoint_id=self.tmp / TRAINING_STATE, process_group=self.group,
-                                     no_dist=world.size == 1)
-        Checkpoints.under_way, self.begun, self.held = self, begun, time.perf_counter() - begun
-        if step == args.optimizer.steps:  # the run ends with it: nothing to overlap
-            self.wait()
-
-    def finish(self, metadata, results) -> None:  # rank 0's, once all ranks' parts are: its error reaches all
-        super().finish(metadata, results)
-        write_hf_checkpoint(self.hf, self.inputs.model_dir, self.tmp)
-        records = {"run.json": self.run, "parity.json": parity_record(self.args, self.model, self.saved)}
-        for name, record in records.items():
-            (self.tmp / TRAINING_STATE / name).write_text(json.dumps(record, indent=2))
-        self.ended = time.perf_counter()
-
-    @staticmethod
-    def end_write(quietly: bool = False) -> None:
-        """Until the save under way, if any, is written (`wait`): before AdamW's step, or at the end."""
-        if Checkpoints.under_way is not None:
-            Checkpoints.under_way.wait(quietly)
-
-    def wait(self, quietly: bool = False) -> None:
-        """Until the save under way is written (rank 0's DCP ends once every rank's part is); then renames it,
-        or removes it and raises a CheckpointError on every rank (`quietly`, leaving on an error: not)."""
-        if Checkpoints.under_way is not self:
-            return
-        Checkpoints.under_way, out, args, main = None, self.out_dir, self.args, self.world.is_main
-        error, self.hf = self.future.exception(), None  # waits; DCP's error holds every rank's; weights freed
-        if main:  # the partial folder, or the step_N it replaces
-            shutil.rmtree(self.tmp if error else out, ignore_errors=True)
-        if error and not quietly:
-            causes = [*(cause for cause, _ in getattr(error, "failures", {}).values()), error]  # ranks' first
-            disk = next((cause.strerror or cause for cause in causes if isinstance(cause, OSError)), None)
-            barrier(self.world)  # every rank measures the disk once rank 0 removed the partial folder
-            free, need = shutil.disk_usage(existing_parent(out)).free, checkpoint_bytes(args, self.model.args)
-            # A disk that fills mid-file is no OSError to torch.save ("unexpected pos": a short write) nor to
-            # safetensors: the disk's too if the checkpoint no longer fits; the line names the error.
-            if disk is None and free >= need:  # not the disk's
-                raise error
-            first_line = str(causes[0]).partition("\n")[0]
-            why = disk or f"{type(causes[0]).__name__}: {first_line}"
-            if main and self.tensorboard is not None:  # the steps done keep their certificate, if it fits
-                record = json.dumps(parity_record(args, self.model, self.totals), indent=2)
-                with suppress(OSError):  # else the last one stands, and the line is still this error's
-                    write_whole(Path(self.tensorboard.log_dir) / "parity.json", record)
-            if main and out.parent.is_dir() and not any(out.parent.iterdir()):
-                out.parent.rmdir()  # the run's first save: nothing of it stays
-            last = sorted(out.parent.glob("step_[0-9]*")) if out.parent.exists() else []
-            raise CheckpointError(f"checkpoint {out} not written ({why}): "
-                                  f"{in_units(free)} free, it takes about {in_units(need)}; the last whole "
-                                  f"checkpoint is {last[-1] if last else 'none'}") from None
-        if main and not error:  # every rank's part written: renamed into place
-            self.tmp.rename(out)
-            print(f"checkpoint {out} written in {self.ended - self.begun:.1f} s, a {self.held:.1f} s stall")
-            oldest = sorted(out.parent.glob("step_[0-9]*"))[: -args.run.keep_last]
-            for old in [*out.parent.glob(".step_*"), *oldest]:  # and what a run killed mid-save left
-                if old.resolve() != self.inputs.model_dir.resolve():  # a resumed run's tokenizer is there
-                    shutil.rmtree(old)
-
-
-def restore_training_state(checkpoint_dir: Path, optimizer: MasterWeights, ref_model, args: Args,
-                           world: World = World()) -> dict:
-    """Into this run's shards whatever the number of ranks that saved it; returns the tokens checked and
-    mismatched so far, and warns if another stack (torch, vLLM, GPU...) wrote it."""
-    state = training_state(optimizer, ref_model)
-    dcp.load(state, checkpoint_id=checkpoint_dir / TRAINING_STATE, no_dist=world.size == 1)
-    for group in optimizer.optimizer.param_groups:
-        group["weight_decay"] = args.optimizer.weight_decay  # may change on resume; the lr is set every step
-    random.setstate((3, tuple(state["rng"]["python"].tolist()), None))
-    torch.set_rng_state(state["rng"]["torch"])
-    if "cuda" in state["rng"]:
-        torch.cuda.set_rng_state(state["rng"]["cuda"])
-    saved = json.loads((checkpoint_dir / TRAINING_STATE / "parity.json").read_text())
-    changed = [f"{key} {saved['stack'].get(key)} -> {now}" for key, now in stack_versions().items()
-               if saved["stack"].get(key) != now]
-    if changed and world.is_main:
-        print(f"warning: --resume {checkpoint_dir} was saved on another stack ({', '.join(changed)}): the "
-              "run continues bit for bit only on the same one")
-    return {key: saved[key] for key in ("tokens_checked", "mismatched_tokens")}
-
-
-# ----- Logging: the terminal and TensorBoard -----
-@contextmanager
-def phase(name: str, times: dict, memory: dict):
-    """Seconds, and the whole GPU's memory in use at the end: the peak, as PyTorch keeps what it reserved."""
-    start = time.perf_counter()
-    yield
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        memory[name] = (total - free) / 2**30
-    times[name] = time.perf_counter() - start
-
-
-DISK_FULL = False  # a run leaving on a full disk: a thread dying as it exits (TensorBoard's) goes unseen
-
-
-def copy_lines(path: str, verbose: bool) -> None:  # `log_to_file`'s copier, run in a Python of its own
-    import contextlib, sys, time
-    with open(path, "ab", buffering=0) as log:  # unbuffered: on a full disk a line is lost, not a buffer
-        for line in sys.stdin.buffer:  # to the end: when no process writes to the pipe any more
-            with contextlib.suppress(OSError):  # a full disk: still drain the pipe, or stderr's writers block
-                log.write(time.strftime("%Y-%m-%d %H:%M:%S ").encode() + line)
-            if verbose:
-                print(line.decode(errors="replace"), end="", flush=True)
-
-
-def log_to_file(run_name: str, verbose: bool, world: World) -> None:
-    """From here on, all that reaches stderr, from Python or C++ (vLLM's log and progress bars, torch's and
-    DCP's warnings), goes to runs/<run>/log.txt a line at a time, timestamped (log.rank<r>.txt on other
-    ranks); with `verbose` (or VLLM_LOGGING_LEVEL=INFO) to the terminal too. The script's own lines are on
-    stdout, its errors and any traceback on the terminal's stderr; an abort's Python stacks too."""
-    import atexit, faulthandler, marshal, subprocess, traceback
-    global TERMINAL
-    verbose = verbose or os.environ.get("VLLM_LOGGING_LEVEL", "").upper() == "INFO"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # all of vLLM's log: it goes to the file
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    path = Path("runs") / run_name / ("log.txt" if world.is_main else f"log.rank{world.rank}.txt")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    terminal, (read, write) = os.dup(2), os.pipe()
-    # A process, not a thread, so that it outlives an abort of this one (NCCL's watchdog, C++) to log why;
-    # it runs copy_lines' compiled code, not the file's text, which may have changed since it was read.
-    call = f"types.FunctionType(marshal.loads({marshal.dumps(copy_lines.__code__)!r}), globals())"
-    code = f"import marshal, types; {call}({str(path)!r}, {verbose})"
-    copier = subprocess.Popen([sys.executable, "-c", code], stdin=read, stdout=terminal,
-                              start_new_session=True)  # Ctrl-C: it still copies the last lines
-    os.close(read)
-    os.dup2(write, 2)  # fd 2 itself: C++ writes there too
-    os.close(write)
-    TERMINAL = os.fdopen(terminal, "w", buffering=1)
-    faulthandler.enable(TERMINAL)  # a fatal signal: where each thread was, on the terminal
-    sys.excepthook = lambda *exc: [traceback.print_exception(*exc, file=to) for to in (TERMINAL, sys.stderr)]
-
-    def close() -> None:  # at exit: the pipe's last lines reach the file
-        if dist.is_initialized():  # vLLM's group, or torchrun's: else NCCL warns on the terminal as it exits
-            dist.destroy_process_group()
-        sys.stderr.flush()
-        os.dup2(os.open(os.devnull, os.O_WRONLY) if DISK_FULL else terminal, 2)  # a crash at exit: shown
-        with suppress(subprocess.TimeoutExpired):  # the pipe ends when a child holding it ends too
-            copier.wait(timeout=5)
-    atexit.register(close)
-
-
-def progress_bar(steps: range, name: str, world: World):
-    """The steps, with a progress bar on the main rank."""
-    from tqdm import tqdm
-    return tqdm(steps, desc=name, unit="step", file=sys.stdout, initial=steps.start, total=steps.stop,
-                disable=not world.is_main)
-
-
-def log_line(line: str, world: World) -> None:
-    from tqdm import tqdm
-    if world.is_main:
-        tqdm.write(line)  # above the progress bar
-
-
-def open_tensorboard(args: Args, start_step: int):
-    """runs/<run_name>; a resumed run purges the steps it logged after its checkpoint: each shows once."""
-    from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(str(Path("runs") / args.run.run_name), purge_step=start_step or None)
-    rows = [f"| {group}.{k} | {v} |" for group, values in asdict(args).items() for k, v in values.items()]
-    rows.append(f"| VLLM_BATCH_INVARIANT | {os.environ.get('VLLM_BATCH_INVARIANT')} |")
-    writer.add_text("config", "| flag | value |\n|---|---|\n" + "\n".join(rows), start_step)
-    return writer
-
-
-def log_step(writer, step: int, scalars: dict, line: str, world: World) -> None:
-    if world.is_main:
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
-    log_line(line, world)
-
-
-def step_scalars(rollouts: Rollouts, loss_metrics: dict, parity: dict, grad_norm: float, lr: float,
-                 deltas: dict, times: dict, memory: dict) -> dict:
-    n_generated = sum(len(c) for c in rollouts.completions)
-    scalars = {f"train/{k}": v for k, v in loss_metrics.items()} | {
-        "train/grad_norm": grad_norm, "train/lr": lr, "reward/reward_mean": float(rollouts.rewards.mean()),
-        "reward/reward_std": float(rollouts.rewards.std()),
-        "reward/completion_tokens_mean": n_generated / len(rollouts.completions),
-        "perf/generate_tokens_per_s": n_generated / times["generate"],
-        "perf/train_tokens_per_s": n_generated / times["train"]}
-    scalars |= {f"parity/{k}": v for k, v in parity.items()}
-    scalars |= {f"time/{k}": v for k, v in times.items()} | {f"memory/{k}_gib": v for k, v in memory.items()}
-    scalars |= {f"weight_delta/{layer}/{name}": value for layer, pair in deltas.items()
-                for name, value in zip(("magnitude", "relative_change"), pair)}
-    return scalars
-
-
-def step_line(step: int, scalars: dict, times: dict, memory: dict) -> str:
-    return (f"step {step}: reward {scalars['reward/reward_mean']:.3f} loss {scalars['train/loss']:+.5f} "
-            f"ratio {scalars['train/ratio_mean']:.6f} grad {scalars['train/grad_norm']:.3f} | "
-            + " ".join(f"{k} {v:.2f}s" for k, v in times.items())
-            + (f" | GPU {max(memory.values()):.1f} GiB" if memory else ""))
-
-
-def log_eval(engine, inputs, args: Args, updates: int, writer, world: World) -> None:
-    """Greedy accuracy, logged at the number of GRPO updates made so far."""
-    accuracy = evaluate(engine, inputs.tokenizer, inputs.eval_rows, args.sampling.max_new_tokens,
-                        inputs.stop_ids, world)
-    if world.is_main:
-        writer.add_scalar("eval/accuracy", accuracy, updates)
-    log_line(f"after {updates} GRPO steps: greedy accuracy {accuracy:.3f} on {len(inputs.eval_rows)} test "
-             "questions", world)
-
-
-def weight_deltas(changes: dict, world: World = World()) -> dict:
-    """Per layer, over all ranks: the L2 norm of a step's weight change, and that relative to the weights."""
-    squares = {}
-    for name, square in changes.items():
-        parts = name.split(".")
-        layer = (f"layer_{int(parts[1]):02d}" if parts[0] == "layers" else
-                 {"tok_embeddings": "embeddings", "norm": "final_norm", "output": "lm_head"}[parts[0]])
-        squares[layer] = squares.get(layer, 0) + square
-    totals = world.sum(torch.stack(list(squares.values()))).sqrt().tolist()
-    return {layer: (change, change / size) for layer, (change, size) in zip(squares, totals)}
-
-
-SAMPLER_PROBABILITY_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
-
-
-def mismatch_by_probability(v: torch.Tensor, t: torch.Tensor) -> dict:
-    """Per non-empty bucket of sampler probability (mismatch grows as it goes to 0): mean |logprob diff|,
-    k3 KL and token share."""
-    p, metrics, edges = v.exp(), {}, SAMPLER_PROBABILITY_BUCKETS
-    for low, high in zip(edges, edges[1:]):
-        tokens = (p >= low) & ((p < high) if high < 1 else (p <= high))
-        if tokens.any():
-            name = f"p_{low:g}-{high:g}"
-            metrics[f"{name}/mean_abs_logprob_diff"] = float((v[tokens] - t[tokens]).abs().mean())
-            metrics[f"{name}/vllm_kl"] = float(k3_kl(v[tokens], t[tokens]).mean())
-            metrics[f"{name}/token_frac"] = float(tokens.float().mean())
-    return metrics
-
-
-def fp32_hex(x: float) -> str:
-    """The fp32 bit pattern: two logprobs one ulp apart print differently (bf16 would hide it)."""
-    return f"0x{int(torch.tensor(x, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF:08x}"
-
-
-def parity_report(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch.Tensor],
-                  tokens: list[list[int]], show: int, mismatched: int) -> str:
-    """The first `show` tokens of sample 0 with both logprobs and their fp32 bits; the count."""
-    header = ("token", "vllm logprob", "trainer logprob", "vllm fp32 bits", "trainer fp32 bits", "diff")
-    lines = ["  {:>8} {:>16} {:>16} {:>14} {:>17} {:>10}".format(*header)]
-    for tok, a, b in list(zip(tokens[0], vllm_logprobs[0].tolist(), trainer_logprobs[0].tolist()))[:show]:
-        lines.append(f"  {tok:>8} {a:>16.9f} {b:>16.9f} {fp32_hex(a):>14} {fp32_hex(b):>17} {b - a:>10.3g}")
-    lines.append(f"  Bitwise identical: {mismatched == 0}, different tokens {mismatched} / "
-                 f"{sum(len(x) for x in vllm_logprobs)}")
-    return "\n".join(lines if show else lines[-1:])
-
-
-def log_parity(step: int, rollouts, trainer_logprobs, parity: dict, show: int, world: World) -> None:
-    report = parity_report(rollouts.vllm_logprobs, trainer_logprobs, rollouts.completions, show,
-                           parity["mismatched_tokens"])
-    log_line((f"step {step} parity (first tokens of sample 0):\n" if show else "") + report, world)
-
-
-# ----- The divergence locator's glue (batch_invariant_backward.py holds it) -----
-def find_first_divergence(engine: VLLMEngine, model: Qwen3, tokens: list[int]) -> str:
-    """Both sides' tensors of a prefill of `tokens`, compared in forward order (batch_invariant_backward)."""
-    batch = pack_sequences([tokens[:-1]], [tokens[-1:]], model.device)
-    try:
-        return first_divergence(trainer_trace(model, batch), vllm_trace(engine.llm, tokens))
-    except Exception as e:  # a diagnostic must not hide the error it diagnoses
-        return f"not found, the locator failed ({type(e).__name__}: {e})"
 
 
 def run_as_script(args: Args, **stand_ins) -> None:
@@ -2096,10 +1147,7 @@ def run_as_script(args: Args, **stand_ins) -> None:
     except OSError as e:  # a disk full beneath TensorBoard, the log or a cache (a save's: a CheckpointError)
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        global DISK_FULL
-        DISK_FULL, where = True, f": {e.filename}" if e.filename else ""
-        exit_on(f"the disk is full ({e.strerror}{where}); any checkpoints written are whole: free some "
-                "space, then --resume from the last one", 1)
+        exit_on_full_disk(e)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ with half of the step's GRPO groups, make the update that one process makes with
 gather the same Hugging Face weights and checksum."""
 
 import dataclasses
+import functools
 import os
 import shutil
 import socket
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import gsm8k_jsonl, make_args, qwen3_config, trace, write_checkpoint, write_gsm8k_model
 
+import plumbing
 import simple_rl
 from batch_invariant_backward import first_divergence
 
@@ -45,7 +47,7 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> 
     if size > 1:  # this rank's whole groups, as the script deals them
         share = world.share(len(rollouts.prompts))
         rollouts = simple_rl.Rollouts(*(getattr(rollouts, f.name)[share] for f in dataclasses.fields(rollouts)))
-        simple_rl.shard_model(model, world, keep_gathered)
+        plumbing.shard_model(model, world, keep_gathered)
     checksum = simple_rl.trainer_checksum(model, world)  # of the whole weights, from the shards
     locator = trace(model, rollouts.prompts[0] + rollouts.completions[0])  # the locator's
     optimizer = simple_rl.MasterWeights(model, lr=1e-3, weight_decay=0.0)
@@ -64,10 +66,10 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> 
         metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args, world)
     # The weights back in their shards after the step: a forward or a push sees the updated ones.
     assert size == 1 or all(hasattr(p, "to_local") for p in model.parameters())
-    grads = {name: simple_rl.gathered(simple_rl.shard_like(p.main_grad, p)).clone()
+    grads = {name: simple_rl.gathered(plumbing.shard_like(p.main_grad, p)).clone()
              for name, p in optimizer.named}
     grad_norm, changes = optimizer.step(1e-3, max_grad_norm=0.5, world=world)
-    deltas = simple_rl.weight_deltas(changes, world)
+    deltas = plumbing.weight_deltas(changes, world)
     weights = {name: simple_rl.gathered(p).detach().clone() for name, p in model.named_parameters()}
     hf = {name: w.clone() for name, w in simple_rl.hf_weights(model)}  # gathered one by one
     micro_batches = len(simple_rl.packed_micro_batches(rollouts.prompts, rollouts.completions, 40, "cpu", world))
@@ -78,7 +80,7 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> 
 def worker(rank: int, world: int, port: int, model_dir, out, keep_gathered: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
-    assert simple_rl.init_distributed("cpu") == simple_rl.World(rank, world)
+    assert plumbing.init_distributed("cpu") == (rank, world)
     result = one_update(model_dir, rank, world, keep_gathered)
     if rank == 0:
         torch.save(result, out)
@@ -205,13 +207,15 @@ def restore_worker(rank: int, world: int, port: int, checkpoint, model_dir, out)
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                           WORLD_SIZE=str(world))
-    place = simple_rl.init_distributed("cpu")
+    place = simple_rl.World(*plumbing.init_distributed("cpu"))
     model = simple_rl.load_qwen3(checkpoint, "cpu")
     if world > 1:
-        simple_rl.shard_model(model, place)
-    optimizer, ref_model = simple_rl.MasterWeights(model, 1e-3, 0.0), simple_rl.reference_policy(model, place)
-    simple_rl.restore_training_state(checkpoint, optimizer, ref_model, make_args(), place)
-    state = {k: simple_rl.gathered(v).clone() for k, v in flat_tensors(simple_rl.training_state(optimizer, ref_model)).items()}
+        plumbing.shard_model(model, place)
+    optimizer, ref_model = simple_rl.MasterWeights(model, 1e-3, 0.0), simple_rl.reference_policy(model)
+    if world > 1:
+        plumbing.shard_model(ref_model, place)
+    plumbing.restore_training_state(checkpoint, optimizer, ref_model, make_args(), place)
+    state = {k: simple_rl.gathered(v).clone() for k, v in flat_tensors(plumbing.training_state(optimizer, ref_model)).items()}
     if rank == 0:
         torch.save(state, out)
     if world > 1:
@@ -260,12 +264,13 @@ def peak_rss_worker(rank: int, world: int, port: int, model_dir, out) -> None:
     """Save a checkpoint from `world` processes; write what this rank's resident memory grew by while saving."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
-    place = simple_rl.init_distributed("cpu")
-    model = simple_rl.shard_model(simple_rl.load_qwen3(model_dir, "cpu"), place)
+    place = simple_rl.World(*plumbing.init_distributed("cpu"))
+    model = plumbing.shard_model(simple_rl.load_qwen3(model_dir, "cpu"), place)
     optimizer = simple_rl.MasterWeights(model, 1e-3, 0.0)
-    simple_rl.training_state(optimizer, None)  # AdamW's moments, as after a step
+    plumbing.training_state(optimizer, None)  # AdamW's moments, as after a step
     args = make_args(run_name="r", output_dir=str(out.parent / "checkpoints"), keep_last=0)
-    checkpoints = simple_rl.Checkpoints(model, optimizer, None, SimpleNamespace(model_dir=model_dir), args, place)
+    checkpoints = plumbing.Checkpoints(model, functools.partial(simple_rl.hf_weights, model), optimizer, None,
+                                      model_dir, args, place)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak resident set (VmHWM) starts again from here
     before = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))

@@ -11,6 +11,7 @@ import torch
 from conftest import qwen3_config, start_engine, write_checkpoint
 from test_gpu import count_mismatches, sample, trainer_logprobs
 
+import batch_invariant_backward
 import simple_rl
 
 pytestmark = pytest.mark.gpu
@@ -56,8 +57,8 @@ def test_parity_holds_for_every_configuration(name, tmp_path):
     if name in REFUSED:
         assert mismatched > 0, "the bits agree: the refusal is no longer needed"
         with pytest.raises(ValueError, match="head_dim is 64; "):
-            simple_rl.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
+            batch_invariant_backward.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
     else:
-        simple_rl.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
+        batch_invariant_backward.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
         assert mismatched == 0
 

@@ -6,6 +6,7 @@ on the CPU) moves the weights as the GPU's step does, to the last bits of fp32 r
 import pytest
 import torch
 
+import batch_invariant_backward
 import simple_rl
 from batch_invariant_backward import EXACT
 
@@ -44,7 +45,7 @@ def test_a_micro_batch_allocates_no_more_than_planned(checkpointing):
         model(batch).logprobs.sum().backward()
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - before
-    planned = simple_rl.micro_batch_bytes(model.args, 8192, checkpointing, 2 * 151936 * 2048)
+    planned = batch_invariant_backward.micro_batch_bytes(model.args, 8192, checkpointing, 2 * 151936 * 2048)
     print(f"\n[1.7B shape, 8192 tokens, checkpointing {checkpointing}] allocated {measured / 2**30:.2f} GiB, "
           f"planned {planned / 2**30:.2f} GiB")
     assert measured <= planned

@@ -3,6 +3,7 @@ the local GSM8K. With batch invariance on, every sampled token of every step is 
 off, the run completes and reports the mismatch. The final checkpoint loads in vLLM (bitwise the
 trainer's logprobs) and in transformers (the trainer's logits, fp32)."""
 
+import functools
 import os
 import re
 import signal
@@ -15,7 +16,9 @@ import pytest
 import torch
 from conftest import gsm8k_jsonl, start_engine, write_chat_model, write_gsm8k_model
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint import FileSystemWriter
 
+import plumbing
 import simple_rl
 from batch_invariant_backward import REFERENCE
 
@@ -210,20 +213,21 @@ def test_a_save_copies_the_gpu_state_and_adamw_goes_on_beneath_its_write(tmp_pat
     model = simple_rl.load_qwen3(model_dir, "cuda")
     optimizer = simple_rl.MasterWeights(model, 1e-3, 0.0)
     args = simple_rl.Args(run=simple_rl.Run(run_name="r", output_dir=str(tmp_path / "checkpoints"), keep_last=0))
-    checkpoints = simple_rl.Checkpoints(model, optimizer, None, SimpleNamespace(model_dir=model_dir), args)
+    checkpoints = plumbing.Checkpoints(model, functools.partial(simple_rl.hf_weights, model), optimizer, None,
+                                      model_dir, args, simple_rl.World())
     adam_step(optimizer, 0)
     # copied: .cpu() returns a host tensor itself, which the next step would change
-    state = {k: v.to("cpu", copy=True) for k, v in flat_tensors(simple_rl.training_state(optimizer, None)).items()}
+    state = {k: v.to("cpu", copy=True) for k, v in flat_tensors(plumbing.training_state(optimizer, None)).items()}
     weights = {name: w.cpu() for name, w in simple_rl.hf_weights(model)}
-    release, write_data = threading.Event(), simple_rl.Checkpoints.write_data
-    monkeypatch.setattr(simple_rl.Checkpoints, "write_data", lambda *a: release.wait(60) and write_data(*a))
+    release, write_data = threading.Event(), FileSystemWriter.write_data
+    monkeypatch.setattr(FileSystemWriter, "write_data", lambda *a: release.wait(60) and write_data(*a))
     checkpoints.save(1, {"tokens_checked": 0, "mismatched_tokens": 0})
     adam_step(optimizer, 1)  # returns: the GPU's state was copied, nothing waits for the write
     assert not release.is_set()
     release.set()
     checkpoints.wait()
     out = tmp_path / "checkpoints" / "r" / "step_000001"
-    saved, now = flat_tensors(training_state(out)), flat_tensors(simple_rl.training_state(optimizer, None))
+    saved, now = flat_tensors(training_state(out)), flat_tensors(plumbing.training_state(optimizer, None))
     assert saved.keys() == state.keys() and [k for k in state if not torch.equal(saved[k], state[k])] == []
     assert not any(torch.equal(now[k].cpu(), state[k]) for k in state if k.startswith("masters."))
     hf = load_file(out / "model.safetensors")

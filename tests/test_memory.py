@@ -6,6 +6,8 @@ import pytest
 import torch
 from conftest import gsm8k_jsonl, make_args, qwen3_config, write_checkpoint, write_gsm8k_model
 
+import batch_invariant_backward
+import plumbing
 import simple_rl
 from batch_invariant_backward import kept_bytes
 
@@ -20,7 +22,7 @@ SHAPES = {  # Qwen3's, as torchtitan's Qwen3ModelArgs
 def shape(name: str):
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 
-    return Qwen3ModelArgs(**SHAPES[name], vocab_size=151936, head_dim=128)
+    return simple_rl.model_shape(Qwen3ModelArgs(**SHAPES[name], vocab_size=151936, head_dim=128))
 
 
 def flags(**engine):
@@ -28,48 +30,50 @@ def flags(**engine):
 
 
 def refusal(model_args, args, gpus=1, gpu=H100, host=None) -> str:
-    with pytest.raises(simple_rl.UsageError) as error:
-        simple_rl.check_memory(model_args, args, gpus, gpu, host)
+    with pytest.raises(plumbing.UsageError) as error:
+        plumbing.check_memory(model_args, args, gpus, gpu, host)
     return str(error.value)
 
 
 def test_the_plan_adds_up_what_each_phase_holds():
     model_args, args = shape("1.7b"), flags()
-    n, block = simple_rl.parameter_counts(model_args)
+    n, block = plumbing.parameter_counts(model_args)
     assert n == 1_720_574_976 and block == 50_336_000  # Qwen3-1.7B (tied embedding)
-    plan = simple_rl.memory_plan(model_args, args, 1, H100)
+    plan = plumbing.memory_plan(model_args, args, 1, H100)
     one_at_a_time = 2 * 151936 * 2048  # bf16 gradients, folded one by one into fp32: the embedding's the largest
-    micro_batch = simple_rl.micro_batch_bytes(model_args, 8192, False, one_at_a_time)
-    assert plan["generating"] == {"CUDA context": simple_rl.CUDA_CONTEXT_BYTES,
-                                  "vLLM": 0.5 * H100 + simple_rl.VLLM_SAMPLER_BYTES,
+    micro_batch = batch_invariant_backward.micro_batch_bytes(model_args.args, 8192, False, one_at_a_time)
+    assert plan["generating"] == {"CUDA context": plumbing.CUDA_CONTEXT_BYTES,
+                                  "vLLM": 0.5 * H100 + plumbing.VLLM_SAMPLER_BYTES,
                                   "bf16 weights": 2 * n, "fp32 masters": 4 * n, "AdamW moments": 8 * n,
-                                  "PyTorch's cache": simple_rl.CACHED_WHILE_GENERATING * micro_batch}
+                                  "PyTorch's cache": plumbing.CACHED_WHILE_GENERATING * micro_batch}
     assert plan["training"]["fp32 gradient sums"] == 4 * n
     assert plan["training"]["activations, bf16 gradients"] == micro_batch
     assert plan["the optimizer step"]["fp32 copies"] == 0  # fused AdamW: no temporary
-    offloaded = simple_rl.memory_plan(model_args, flags(offload_optimizer=True), 1, H100)
+    offloaded = plumbing.memory_plan(model_args, flags(offload_optimizer=True), 1, H100)
     assert offloaded["the optimizer step"]["fp32 copies"] == 14 * 151936 * 2048
     assert offloaded["generating"]["fp32 masters"] == offloaded["generating"]["AdamW moments"] == 0
-    sharded = simple_rl.memory_plan(model_args, args, 4, H100)
+    sharded = plumbing.memory_plan(model_args, args, 4, H100)
     assert sharded["generating"]["AdamW moments"] == 2 * n and "gathered by FSDP2" in sharded["training"]
     # Checkpointing keeps a fraction of the activations; a smaller micro-batch keeps fewer.
-    full, checkpointed = (simple_rl.micro_batch_bytes(model_args, 8192, c, 2 * n) for c in (False, True))
-    assert checkpointed < full / 2 and simple_rl.micro_batch_bytes(model_args, 4096, False, 2 * n) < full
+    full, checkpointed = (batch_invariant_backward.micro_batch_bytes(model_args.args, 8192, c, 2 * n)
+                          for c in (False, True))
+    assert checkpointed < full / 2 and batch_invariant_backward.micro_batch_bytes(model_args.args, 4096, False,
+                                                                                  2 * n) < full
 
 
 def test_what_fits_one_h100():
-    simple_rl.check_memory(shape("1.7b"), flags(), 1, H100, None)  # the defaults
+    plumbing.check_memory(shape("1.7b"), flags(), 1, H100, None)  # the defaults
     message = refusal(shape("4b"), flags())
     assert message.startswith("4.02B parameters do not fit: generating needs") and "--offload-optimizer" in message
-    simple_rl.check_memory(shape("4b"), flags(offload_optimizer=True), 1, H100, None)
+    plumbing.check_memory(shape("4b"), flags(offload_optimizer=True), 1, H100, None)
     message = refusal(shape("8b"), flags())
     assert "AdamW moments 61.0" in message
     assert "--offload-optimizer --activation-checkpointing" in message and "torchrun --nproc-per-node" in message
     eight_b = flags(offload_optimizer=True, activation_checkpointing=True)
-    simple_rl.check_memory(shape("8b"), eight_b, 1, H100, None)
+    plumbing.check_memory(shape("8b"), eight_b, 1, H100, None)
     # offloaded, the 8B's 98 GB of masters and moments must fit the host
     assert "of host memory" in refusal(shape("8b"), eight_b, host=(64 * GiB, 1))
-    simple_rl.check_memory(shape("8b"), eight_b, 1, H100, (120 * GiB, 1))
+    plumbing.check_memory(shape("8b"), eight_b, 1, H100, (120 * GiB, 1))
     # saves copy the GPU's training state to pinned host memory: 38 GiB for the 1.7B shape, none without saves
     assert refusal(shape("1.7b"), flags(), host=(30 * GiB, 1)).endswith("it would fit with --save-every -1")
     # vLLM's own share must hold its weights: the 8B's 15 GiB do not fit in 10% of the GPU
@@ -77,7 +81,7 @@ def test_what_fits_one_h100():
                    ).startswith("8.19B parameters do not fit: vLLM's share (--vllm-gpu-memory 0.1")
     # sharded over 4 GPUs, each with an engine of its own, the 8B's state fits; its activations need checkpointing
     assert "it would fit with --activation-checkpointing" in refusal(shape("8b"), flags(), 4)
-    simple_rl.check_memory(shape("8b"), flags(activation_checkpointing=True), 4, H100, None)
+    plumbing.check_memory(shape("8b"), flags(activation_checkpointing=True), 4, H100, None)
 
 
 def test_the_activations_planned_are_what_the_kernels_keep(tmp_path):
@@ -114,7 +118,7 @@ def test_a_model_that_cannot_fit_is_refused_before_vllm_starts(tmp_path, monkeyp
     args = make_args(model=str(write_gsm8k_model(tmp_path / "model")), dataset=str(gsm8k_jsonl("train")),
                      eval_every=0)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(simple_rl.UsageError, match="do not fit: vLLM's share"):
+    with pytest.raises(plumbing.UsageError, match="do not fit: vLLM's share"):
         simple_rl.main(args, "cuda", engine_class=NoEngine)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
@@ -146,10 +150,10 @@ def test_a_sharded_trainer_keeps_a_steps_weights_gathered_where_they_fit():
     """On several GPUs the plan also says if FSDP2 may keep the whole bf16 weights and the unsharded fp32
     gradient sums through a step (one reduce-scatter a step): for the 1.7B shape on 2 H100s; not for the 8B on
     4, whose sharded state fits only re-gathered at every micro-batch. One GPU shards nothing."""
-    n = simple_rl.parameter_counts(shape("1.7b"))[0]
-    assert simple_rl.check_memory(shape("1.7b"), flags(), 2, H100, None) is True
-    kept = simple_rl.memory_plan(shape("1.7b"), flags(), 2, H100, keep_gathered=True)["training"]
+    n = plumbing.parameter_counts(shape("1.7b"))[0]
+    assert plumbing.check_memory(shape("1.7b"), flags(), 2, H100, None) is True
+    kept = plumbing.memory_plan(shape("1.7b"), flags(), 2, H100, keep_gathered=True)["training"]
     assert kept["weights gathered"] == 2 * n and kept["unsharded fp32 gradients"] > 4 * n
     assert "gathered by FSDP2" not in kept and kept["fp32 gradient sums"] == 2 * n
-    assert simple_rl.check_memory(shape("8b"), flags(activation_checkpointing=True), 4, H100, None) is False
-    assert simple_rl.check_memory(shape("1.7b"), flags(), 1, H100, None) is False
+    assert plumbing.check_memory(shape("8b"), flags(activation_checkpointing=True), 4, H100, None) is False
+    assert plumbing.check_memory(shape("1.7b"), flags(), 1, H100, None) is False

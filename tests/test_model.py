@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import batch_invariant_backward
+import plumbing
 import simple_rl
 from batch_invariant_backward import EXACT, REFERENCE
 
@@ -58,7 +59,7 @@ def test_hf_round_trip_is_exact(name, tmp_path):
     src = write_checkpoint(tmp_path / "src", CONFIGS[name], seed=3)
     model = simple_rl.load_qwen3(src, "cpu")
     (tmp_path / "out").mkdir()
-    simple_rl.write_hf_checkpoint(dict(simple_rl.hf_weights(model)), src, tmp_path / "out")
+    plumbing.write_hf_checkpoint(dict(simple_rl.hf_weights(model)), src, tmp_path / "out")
     before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert before.keys() == after.keys()
     for key in before:
@@ -123,10 +124,10 @@ def test_a_steps_gradient_sums_are_the_same_with_recomputed_activations(name):
 
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
-    with pytest.raises(simple_rl.UsageError, match="no config.json"):
-        simple_rl.resolve_model_dir(str(tmp_path))
-    with pytest.raises(simple_rl.UsageError, match="not a checkpoint directory"):
-        simple_rl.resolve_model_dir(str(tmp_path / "missing" / "dir"))
+    with pytest.raises(plumbing.UsageError, match="no config.json"):
+        plumbing.resolve_model_dir(str(tmp_path))
+    with pytest.raises(plumbing.UsageError, match="not a checkpoint directory"):
+        plumbing.resolve_model_dir(str(tmp_path / "missing" / "dir"))
     ckpt = write_checkpoint(tmp_path / "c", qwen3_config())
     config = ckpt / "config.json"
     good = config.read_text()
@@ -136,15 +137,15 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
                           (json.dumps(dict(qwen3_config(), rms_norm_eps=0)), "rms_norm_eps is 0; it must be a number > 0"),
                           ("[1, 2]", "a JSON object of the model's settings"), ("{not json", "not valid JSON")]:
         config.write_text(text)
-        with pytest.raises(simple_rl.UsageError, match=message) as error:
-            simple_rl.read_config(ckpt)
+        with pytest.raises(plumbing.UsageError, match=message) as error:
+            plumbing.read_config(ckpt)
         assert str(config) in str(error.value)
     config.write_text(good)
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["num_hidden_layers"] = 3
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(simple_rl.UsageError, match="the weights do not match config.json"):
-        simple_rl.check_checkpoint(ckpt, simple_rl.model_args_from_hf_config(cfg))
+    with pytest.raises(plumbing.UsageError, match="the weights do not match config.json"):
+        plumbing.check_checkpoint(ckpt, simple_rl.model_shape(simple_rl.model_args_from_hf_config(cfg)))
 
 
 def test_packing_lays_sequences_back_to_back_and_reads_each_completion_token_a_row_early():

@@ -4,6 +4,7 @@ replaced by a CPU test double: end to end, a parity abort, a killed run resumed.
 
 import ast
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -20,11 +21,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import safetensors.torch
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from conftest import (QWEN3_CHAT_TEMPLATE, full_gsm8k, gsm8k_jsonl, gsm8k_rows, make_args, write_chat_model,
                       trace, write_gsm8k_model, write_jsonl)
 
 import batch_invariant_backward
+import plumbing
 import simple_rl
 from batch_invariant_backward import first_divergence, truncated
 
@@ -72,7 +76,7 @@ def test_chat_prompts_are_what_qwen3s_template_renders(tmp_path, thinking):
     tokens = tokenizer.convert_ids_to_tokens(ids)  # the markers are single tokens, not spelled out
     assert tokens.count("<|im_start|>") == 2 and tokens.count("<|im_end|>") == 1
     assert tokens.count("<think>") == tokens.count("</think>") == (0 if thinking else 1)
-    stop_ids = simple_rl.end_of_sequence_ids(tokenizer, model_dir)  # <|im_end|> (tokenizer) and <|endoftext|>
+    stop_ids = plumbing.end_of_sequence_ids(tokenizer, model_dir)  # <|im_end|> (tokenizer) and <|endoftext|>
     assert set(tokenizer.convert_ids_to_tokens(stop_ids)) == {"<|im_end|>", "<|endoftext|>"}
 
 
@@ -164,16 +168,16 @@ def test_parity_compares_bits_and_names_the_first_mismatch():
     same = [t.clone() for t in vllm]
     metrics, first = simple_rl.compare_bits(vllm, same, [[5, 6], [7, 8, 9]])
     assert metrics["mismatched_tokens"] == 0 and metrics["vllm_kl"] == 0 and first is None
-    report = simple_rl.parity_report(vllm, same, [[5, 6], [7, 8, 9]], 2, 0)
+    report = plumbing.parity_report(vllm, same, [[5, 6], [7, 8, 9]], 2, 0)
     assert "Bitwise identical: True, different tokens 0 / 5" in report and "0xbf800000" in report
     off = [t.clone() for t in vllm]
     off[1][1] = torch.nextafter(off[1][1], torch.tensor(0.0))  # one ulp
     metrics, first = simple_rl.compare_bits(vllm, off, [[5, 6], [7, 8, 9]])
     assert metrics["mismatched_tokens"] == 1 and metrics["max_abs_logprob_diff"] > 0
     assert first.message.startswith("sample 1 token 1 (id 8)") and (first.sample, first.token) == (1, 1)
-    assert "Bitwise identical: False" in simple_rl.parity_report(vllm, off, [[5, 6], [7, 8, 9]], 0, 1)
+    assert "Bitwise identical: False" in plumbing.parity_report(vllm, off, [[5, 6], [7, 8, 9]], 0, 1)
     # The printed fp32 bits tell apart two logprobs one ulp apart, which bf16 rounds together.
-    row = simple_rl.parity_report(vllm[1:], off[1:], [[7, 8, 9]], 2, 1).splitlines()[2].split()
+    row = plumbing.parity_report(vllm[1:], off[1:], [[7, 8, 9]], 2, 1).splitlines()[2].split()
     assert row[3] == "0xbe800000" and row[4] == "0xbe7fffff"
 
 
@@ -340,9 +344,9 @@ def test_help_groups_the_flags_and_keeps_their_names(tmp_path):
     assert positions == sorted(positions)
     assert text.index("--temperature FLOAT") > text.index("sampling options")
     assert text.index("--kl-coef FLOAT") > text.index("grpo-loss options")
-    args = simple_rl.parse_command_line(["--temperature", "0.7", "--no-assert-bitwise", "--keep-last", "5"])
+    args = plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, ["--temperature", "0.7", "--no-assert-bitwise", "--keep-last", "5"])
     assert args == make_args(temperature=0.7, assert_bitwise=False, keep_last=5)
-    assert simple_rl.parse_command_line([]) == simple_rl.Args()
+    assert plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, []) == simple_rl.Args()
 
 
 def test_a_run_name_in_use_is_refused(tmp_path):
@@ -365,11 +369,11 @@ def test_bad_files_give_one_line_errors(tmp_path):
              (no_hashes, "line 1: the answer does not end in '#### N'"), (words, "with N a number"),
              (tmp_path / "c.jsonl", "line 2: not valid JSON"), (tmp_path / "utf16.jsonl", "not UTF-8 text")]
     for path, message in cases:
-        with pytest.raises(simple_rl.UsageError, match=message) as error:
-            simple_rl.read_gsm8k_jsonl(str(path))
+        with pytest.raises(plumbing.UsageError, match=message) as error:
+            plumbing.read_gsm8k_jsonl(str(path), simple_rl.ANSWER_AFTER_HASHES)
         assert str(path) in str(error.value)
-    assert simple_rl.read_gsm8k_jsonl(str(good)) == simple_rl.read_gsm8k_jsonl(str(tmp_path / "bom.jsonl"))
-    assert len(simple_rl.read_gsm8k_jsonl(str(good))) == 3
+    assert plumbing.read_gsm8k_jsonl(str(good), simple_rl.ANSWER_AFTER_HASHES) == plumbing.read_gsm8k_jsonl(str(tmp_path / "bom.jsonl"), simple_rl.ANSWER_AFTER_HASHES)
+    assert len(plumbing.read_gsm8k_jsonl(str(good), simple_rl.ANSWER_AFTER_HASHES)) == 3
     err = one_line_error(run_script("--model", str(tmp_path / "no_model"), "--no-assert-bitwise",
                                     "--eval-every", "0", cwd=tmp_path))
     assert "--model" in err
@@ -482,17 +486,17 @@ def test_bad_checkpoints_stop_before_the_engine(tmp_path):
 def test_the_disk_is_checked_for_the_checkpoints_up_front(tmp_path, monkeypatch, capsys):
     """A save writes the new checkpoint before it prunes the oldest: room for --keep-last + 1 is needed. Less
     than one checkpoint is refused, less than all of them warned of, both in units that show the sizes."""
-    model_args = simple_rl.model_args_from_hf_config(simple_rl.read_config(write_gsm8k_model(tmp_path / "m")))
+    model_args = simple_rl.model_args_from_hf_config(plumbing.read_config(write_gsm8k_model(tmp_path / "m")))
     with torch.device("meta"):
         one = 16 * sum(p.numel() for p in simple_rl.Qwen3(model_args).parameters())
     args = make_args(output_dir=str(tmp_path / "out"), steps=10, save_every=2, keep_last=3)
     for free, outcome in ((one - 1, "refused"), (4 * one - 1, "warned"), (4 * one, "")):
         monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, free))
         if outcome == "refused":
-            with pytest.raises(simple_rl.UsageError, match=r"MiB free, but a checkpoint of this model takes about"):
-                simple_rl.check_disk(args, model_args)
+            with pytest.raises(plumbing.UsageError, match=r"MiB free, but a checkpoint of this model takes about"):
+                plumbing.check_disk(args, simple_rl.model_shape(model_args))
             continue
-        simple_rl.check_disk(args, model_args)
+        plumbing.check_disk(args, simple_rl.model_shape(model_args))
         out = capsys.readouterr().out
         assert ("a later save will fail" in out) == (outcome == "warned") and "0.0 GiB" not in out, free
 
@@ -507,7 +511,7 @@ def test_a_full_disk_at_a_save_is_one_line_and_keeps_the_run(tmp_path, monkeypat
 
     model_dir = write_gsm8k_model(tmp_path / "model")
     monkeypatch.chdir(tmp_path)
-    save_file, saves = simple_rl.save_file, []
+    save_file, saves = safetensors.torch.save_file, []
 
     def full_at(n):
         def save(*args, **kwargs):
@@ -516,10 +520,10 @@ def test_a_full_disk_at_a_save_is_one_line_and_keeps_the_run(tmp_path, monkeypat
                 raise OSError(errno.ENOSPC, "No space left on device")
             return save_file(*args, **kwargs)
         return save
-    monkeypatch.setattr(simple_rl, "save_file", full_at(2))
+    monkeypatch.setattr(safetensors.torch, "save_file", full_at(2))
     args = small_run(model_dir, run_name="full", steps=3, save_every=1, keep_last=0, eval_every=0,
                      assert_bitwise=False)
-    with pytest.raises(simple_rl.CheckpointError) as error:
+    with pytest.raises(plumbing.CheckpointError) as error:
         simple_rl.main(args, device="cpu", engine_class=TrainerAsSampler)
     message = str(error.value)
     assert message.startswith("checkpoint checkpoints/full/step_000002 not written (No space left on device): ")
@@ -528,14 +532,14 @@ def test_a_full_disk_at_a_save_is_one_line_and_keeps_the_run(tmp_path, monkeypat
     record = json.loads((tmp_path / "runs" / "full" / "parity.json").read_text())
     assert record["tokens_checked"] > 0 and scalar_series(tmp_path / "runs" / "full")["train/loss"][-1][0] == 1
     saves.clear()
-    monkeypatch.setattr(simple_rl, "save_file", full_at(1))
+    monkeypatch.setattr(safetensors.torch, "save_file", full_at(1))
     close = SummaryWriter.close
 
     def full_close(self):  # TensorBoard's last flush on a full disk (measured on a tmpfs): not over the line
         close(self)
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(SummaryWriter, "close", full_close)
-    with pytest.raises(simple_rl.CheckpointError, match="the last whole checkpoint is none"):
+    with pytest.raises(plumbing.CheckpointError, match="the last whole checkpoint is none"):
         simple_rl.main(dataclasses.replace(args, run=dataclasses.replace(args.run, run_name="first")),
                        device="cpu", engine_class=TrainerAsSampler)
     assert not (tmp_path / "checkpoints" / "first").exists()
@@ -545,35 +549,24 @@ def test_head_sizes_whose_attention_vllm_computes_otherwise_are_refused():
     """FlashAttention 3 decodes with other key tiles than it prefills at head_dim 64 (measured on the GPU
     in tests/test_gpu_configs.py); a sequence within one 128-key tile is safe."""
     for d in batch_invariant_backward.BITWISE_HEAD_DIMS:
-        simple_rl.check_bitwise_head_dim(d, 1024, Path("model"))
+        batch_invariant_backward.check_bitwise_head_dim(d, 1024, Path("model"))
     for d in (16, 64, 96, 192):
         with pytest.raises(ValueError, match=f"head_dim is {d}; "):
-            simple_rl.check_bitwise_head_dim(d, 1024, Path("model"))
-    simple_rl.check_bitwise_head_dim(64, 128, Path("model"))
+            batch_invariant_backward.check_bitwise_head_dim(d, 1024, Path("model"))
+    batch_invariant_backward.check_bitwise_head_dim(64, 128, Path("model"))
     with pytest.raises(ValueError, match=r"--max-new-tokens = 129\)"):
-        simple_rl.check_bitwise_head_dim(64, 129, Path("model"))
+        batch_invariant_backward.check_bitwise_head_dim(64, 129, Path("model"))
 
 
-# What the RL story (above simple_rl.py's Plumbing banner) calls below it: checks, checkpoints, several GPUs,
-# logging and the locator, each a single call.
-PLUMBING_ENTRY_POINTS = {
-    "check_args", "load_inputs", "read_config", "model_args_from_hf_config", "check_gpu_memory", "gathered", "local_part",
-    "to_host", "to_device", "stepped_on_host", "weight_deltas", "mismatch_by_probability", "reference_policy", "log_to_file", "init_distributed", "shard_model", "whole_step",
-    "reduce_gradients_after",
-    "restore_training_state", "Checkpoints", "parity_record", "write_whole", "open_tensorboard", "progress_bar", "phase",
-    "log_step", "log_line", "log_eval", "log_parity", "step_scalars", "step_line", "find_first_divergence",
-}
+# The pieces of simple_rl.py that call into plumbing.py: the loop, main(), the error boundary, and the model's
+# shape for the checks. Every other piece lifts out with what it names in simple_rl.py (and the kernels' file).
+CALLS_PLUMBING = {"grpo_step", "grpo", "warm_start", "on_mismatch", "main", "run_as_script", "model_shape"}
+FLAG_MARKERS = {"FIXED", "default_is"}  # plumbing's annotations of the flags: tyro's, no call at run time
 
 
-def test_the_rl_story_comes_first():
-    """simple_rl.py reads top to bottom: every module-level name a definition uses is defined above it, except
-    the plumbing entry points the story calls below the Plumbing banner. The story (the top of the file to the
-    banner) takes at most 1,050 lines, its loop grpo() at most 45; the file 2,106 (issue #36 asks 1,600), no
-    line over 110 chars."""
-    text = (REPO / "simple_rl.py").read_text()
-    lines, tree = text.splitlines(), ast.parse(text)
-    banner = next(n for n, line in enumerate(lines, 1) if line.startswith("# ===== Plumbing"))
-    defined = {}  # module-level name -> line of its definition
+def module_names(tree: ast.Module) -> dict:
+    """Module-level name -> line of its definition (or import)."""
+    defined = {}
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names = [node.name]
@@ -587,17 +580,40 @@ def test_the_rl_story_comes_first():
             names = []
         for name in names:
             defined.setdefault(name, node.lineno)
+    return defined
+
+
+def test_the_story_and_its_plumbing_import_one_way():
+    """plumbing.py never imports simple_rl.py (run as a script, simple_rl.py is `__main__`: a reverse import
+    would load a second copy) and imports no torch at its top (the flags answer before torch loads). In
+    simple_rl.py only the loop, main(), the error boundary and the model's shape call into plumbing.py; every
+    module-level name a definition uses is defined above it. simple_rl.py takes at most 1,250 lines, grpo() at
+    most 45; no line of either file is over 110 characters."""
+    plumbing_tree = ast.parse((REPO / "plumbing.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(plumbing_tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(plumbing_tree)
+                 if isinstance(node, ast.ImportFrom)}
+    assert "simple_rl" not in imported
+    assert not {"torch", "vllm", "torchtitan", "transformers"} & set(module_names(plumbing_tree))
+    text = (REPO / "simple_rl.py").read_text()
+    lines, tree = text.splitlines(), ast.parse(text)
+    from_plumbing = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                     and node.module == "plumbing" for alias in node.names} - FLAG_MARKERS
+    callers = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+               for inner in ast.walk(node) if isinstance(inner, ast.Name) and inner.id in from_plumbing}
+    assert callers <= CALLS_PLUMBING, callers - CALLS_PLUMBING
+    defined = module_names(tree)
     late = [f"{node.name} (line {node.lineno}) uses {inner.id} (line {defined[inner.id]})"
             for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
             for inner in ast.walk(node)
-            if isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Load) and defined.get(inner.id, 0) > node.lineno
-            and not (node.lineno < banner < defined[inner.id] and inner.id in PLUMBING_ENTRY_POINTS)]
+            if isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Load) and defined.get(inner.id, 0) > node.lineno]
     assert not late, late
-    assert all(defined[name] > banner for name in PLUMBING_ENTRY_POINTS)
     grpo = next(node for node in tree.body if getattr(node, "name", None) == "grpo")
-    assert banner <= 1050 and grpo.end_lineno - grpo.lineno + 1 <= 45
-    assert len(lines) <= 2106, f"simple_rl.py has {len(lines)} lines"
-    assert [n for n, line in enumerate(lines, 1) if len(line) > 110] == []
+    assert grpo.end_lineno - grpo.lineno + 1 <= 45
+    assert len(lines) <= 1250, f"simple_rl.py has {len(lines)} lines"
+    for path in ("simple_rl.py", "plumbing.py"):
+        assert [n for n, line in enumerate((REPO / path).read_text().splitlines(), 1) if len(line) > 110] == []
 
 
 # --- runs of main() with a CPU stand-in for vLLM ---------------------------------------------------
@@ -743,10 +759,10 @@ def test_the_log_copier_runs_the_code_imported_even_if_the_file_changed_since(tm
     shutil.copy(REPO / "simple_rl.py", script)
     code = f"""
 import os, pathlib
-import simple_rl
+import plumbing, simple_rl, sys
 script = pathlib.Path({str(script)!r})
 script.write_text("# a line added after the import\\n" + script.read_text())
-simple_rl.log_to_file("edited", False, simple_rl.World())
+plumbing.log_to_file("edited", False, simple_rl.World())
 print("a warning after the edit", file=sys.stderr)
 os.write(2, b"a C++ line after the edit\\n")
 """
@@ -932,16 +948,16 @@ def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, capsys, offload
     # Every flag that contradicts the run is named, in one error; a path written otherwise is the same path.
     clashing = ["--seed", "1", "--max-new-tokens", "7", "--dataset", str(gsm8k_jsonl("test")),
                 "--model", f"{model_dir}/../model/"]
-    with pytest.raises(simple_rl.UsageError) as error:
-        simple_rl.check_args(simple_rl.parse_command_line(["--resume", str(checkpoint), *clashing]), 1)
+    with pytest.raises(plumbing.UsageError) as error:
+        plumbing.check_args(plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, ["--resume", str(checkpoint), *clashing]), 1)
     message = str(error.value)
     assert "--seed 1 (the run has 0)" in message and "--max-new-tokens 7 (the run has 6)" in message
     assert f"--dataset '{gsm8k_jsonl('test')}' (the run has '{gsm8k_jsonl('train')}')" in message
     assert "--model" not in message
-    with pytest.raises(simple_rl.UsageError, match="a resumed run keeps its name"):
-        simple_rl.check_args(simple_rl.parse_command_line(["--resume", str(checkpoint), "--run-name", "other"]), 1)
+    with pytest.raises(plumbing.UsageError, match="a resumed run keeps its name"):
+        plumbing.check_args(plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, ["--resume", str(checkpoint), "--run-name", "other"]), 1)
     # --resume alone: the run's own flags and name.
-    args = simple_rl.parse_command_line(["--resume", str(checkpoint)])
+    args = plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, ["--resume", str(checkpoint)])
     started = small_run(model_dir, **flags)
     assert (args.data, args.sampling, args.loss, args.run.run_name) == (started.data, started.sampling,
                                                                          started.loss, "killed")
@@ -965,8 +981,8 @@ def test_a_resume_on_another_stack_warns(tmp_path, monkeypatch, capsys):
     simple_rl.main(args, device="cpu", engine_class=TrainerAsSampler)
     checkpoint = tmp_path / "checkpoints" / "r" / "step_000001"
     record = json.loads((checkpoint / "training_state" / "parity.json").read_text())
-    real = simple_rl.stack_versions()
-    monkeypatch.setattr(simple_rl, "stack_versions", lambda: real | {"vllm": "0.21.0"})
+    real = plumbing.stack_versions()
+    monkeypatch.setattr(plumbing, "stack_versions", lambda: real | {"vllm": "0.21.0"})
     capsys.readouterr()
     simple_rl.main(dataclasses.replace(args, optimizer=dataclasses.replace(args.optimizer, steps=2),
                                        run=dataclasses.replace(args.run, resume=str(checkpoint))),
@@ -987,7 +1003,8 @@ def cpu_checkpoints(tmp_path: Path, model_dir: Path):
     model = simple_rl.load_qwen3(model_dir, "cpu")
     optimizer = simple_rl.MasterWeights(model, 1e-3, 0.0)
     args = make_args(run_name="r", output_dir=str(tmp_path / "checkpoints"), keep_last=0)
-    return simple_rl.Checkpoints(model, optimizer, None, SimpleNamespace(model_dir=model_dir), args), model, optimizer
+    return plumbing.Checkpoints(model, functools.partial(simple_rl.hf_weights, model), optimizer, None, model_dir,
+                                args, simple_rl.World()), model, optimizer
 
 
 def adam_step(optimizer: simple_rl.MasterWeights, seed: int) -> None:
@@ -1006,15 +1023,15 @@ def test_a_save_returns_as_its_write_goes_on_and_holds_the_state_of_its_step(tmp
 
     checkpoints, model, optimizer = cpu_checkpoints(tmp_path, write_gsm8k_model(tmp_path / "model"))
     adam_step(optimizer, 0)
-    state = {k: v.clone() for k, v in flat_tensors(simple_rl.training_state(optimizer, None)).items()}
+    state = {k: v.clone() for k, v in flat_tensors(plumbing.training_state(optimizer, None)).items()}
     weights = {name: w.clone() for name, w in simple_rl.hf_weights(model)}
-    writing, release, write_data = threading.Event(), threading.Event(), simple_rl.Checkpoints.write_data
+    writing, release, write_data = threading.Event(), threading.Event(), FileSystemWriter.write_data
 
     def held(*args):
         writing.set()
         release.wait(60)
         return write_data(*args)
-    monkeypatch.setattr(simple_rl.Checkpoints, "write_data", held)
+    monkeypatch.setattr(FileSystemWriter, "write_data", held)
     start = time.perf_counter()
     checkpoints.save(1, {"tokens_checked": 0, "mismatched_tokens": 0})
     out = tmp_path / "checkpoints" / "r" / "step_000001"
@@ -1027,7 +1044,7 @@ def test_a_save_returns_as_its_write_goes_on_and_holds_the_state_of_its_step(tmp
     release.set()
     stepped.join(timeout=60)
     assert not stepped.is_alive() and sorted(p.name for p in out.parent.iterdir()) == ["step_000001"]
-    saved, now = flat_tensors(training_state(out)), flat_tensors(simple_rl.training_state(optimizer, None))
+    saved, now = flat_tensors(training_state(out)), flat_tensors(plumbing.training_state(optimizer, None))
     assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
     assert not any(torch.equal(now[k], state[k]) for k in state if k.startswith("masters."))  # AdamW stepped
     hf = load_file(out / "model.safetensors")
@@ -1041,12 +1058,12 @@ def test_a_save_that_waits_for_the_last_write_says_the_disk_is_slower_than_the_s
     """Saves come faster than the disk writes them: the save that waits for the write before it says so in
     one line, with the write's and the steps' seconds and what to change; one whose last write ended, not."""
     checkpoints, _, _ = cpu_checkpoints(tmp_path, write_gsm8k_model(tmp_path / "model"))
-    totals, write_data = {"tokens_checked": 0, "mismatched_tokens": 0}, simple_rl.Checkpoints.write_data
+    totals, write_data = {"tokens_checked": 0, "mismatched_tokens": 0}, FileSystemWriter.write_data
 
     def slow(*args):
         time.sleep(1.5)
         return write_data(*args)
-    monkeypatch.setattr(simple_rl.Checkpoints, "write_data", slow)
+    monkeypatch.setattr(FileSystemWriter, "write_data", slow)
     checkpoints.save(1, totals)
     checkpoints.save(2, totals)  # step_000001 is still being written
     checkpoints.wait()
@@ -1083,14 +1100,14 @@ def test_a_full_disk_in_the_background_write_is_one_line_at_the_wait(tmp_path, m
         return create(self, path, *mode)
     monkeypatch.setattr(FileSystem, full_at, full)
     checkpoints.save(2, totals)  # returns: the error is the thread's
-    with pytest.raises(simple_rl.CheckpointError) as error:
+    with pytest.raises(plumbing.CheckpointError) as error:
         checkpoints.wait()
     message = str(error.value)
     assert message.startswith(f"checkpoint {first.parent / 'step_000002'} not written (No space left on device): ")
     assert message.endswith(f"the last whole checkpoint is {first}") and "\n" not in message
     assert sorted(p.name for p in first.parent.iterdir()) == ["step_000001"]
     assert {f.name: f.read_bytes() for f in first.rglob("*") if f.is_file()} == before
-    assert simple_rl.Checkpoints.under_way is None
+    assert plumbing.Checkpoints.under_way is None
 
 
 @pytest.mark.parametrize("fails", ["torch.save", "safetensors", "a bug"])
@@ -1103,16 +1120,16 @@ def test_a_disk_that_fills_mid_save_is_one_line_at_the_wait(tmp_path, monkeypatc
     from torch.distributed.checkpoint.api import CheckpointException
 
     checkpoints, model, _ = cpu_checkpoints(tmp_path / "disk", write_gsm8k_model(tmp_path / "model"))
-    need, params = (simple_rl.checkpoint_bytes(checkpoints.args, model.args),
+    need, params = (plumbing.checkpoint_bytes(checkpoints.args, sum(p.numel() for p in model.parameters())),
                     sum(p.numel() for p in model.parameters()))
     size = {"torch.save": 2**20, "safetensors": 13 * params, "a bug": need + 2**20}[fails]  # state: 12.4 B/param
     def bug(*_):
         raise IndexError("a bug in the write")
     if fails == "a bug":
-        monkeypatch.setattr(simple_rl, "write_hf_checkpoint", bug)
+        monkeypatch.setattr(plumbing, "write_hf_checkpoint", bug)
     with small_disk(tmp_path / "disk", size) as disk:
         checkpoints.save(1, {"tokens_checked": 0, "mismatched_tokens": 0})
-        with pytest.raises(CheckpointException if fails == "a bug" else simple_rl.CheckpointError) as error:
+        with pytest.raises(CheckpointException if fails == "a bug" else plumbing.CheckpointError) as error:
             checkpoints.wait()
         assert not list(disk.rglob("*step_000001*"))  # neither the partial folder nor step_000001
     if fails == "a bug":
@@ -1134,7 +1151,7 @@ def test_a_certificate_on_a_full_disk_is_left_as_it_was(tmp_path):
         free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
         (disk / "filler").write_bytes(bytes(free))
         with pytest.raises(OSError, match="No space left on device"):
-            simple_rl.write_whole(certificate, json.dumps({"tokens_checked": 2, "padding": "x" * 8192}))
+            plumbing.write_whole(certificate, json.dumps({"tokens_checked": 2, "padding": "x" * 8192}))
         assert certificate.read_text() == '{"tokens_checked": 1}' and sorted(p.name for p in disk.iterdir()) == [
             "filler", "parity.json"]
 
@@ -1190,7 +1207,7 @@ def test_a_checkpoint_copied_in_part_is_one_line_before_anything_loads(tmp_path)
     checkpoints.save(1, {"tokens_checked": 0, "mismatched_tokens": 0})
     checkpoints.wait()
     state = tmp_path / "checkpoints" / "r" / "step_000001" / "training_state"
-    simple_rl.check_training_state(state.parent)  # whole: passes
+    plumbing.check_training_state(state.parent)  # whole: passes
     shard = next(state.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-1])
     error = one_line_error(run_script("--resume", str(state.parent), env_update=ON, cwd=tmp_path))
@@ -1200,16 +1217,16 @@ def test_a_checkpoint_copied_in_part_is_one_line_before_anything_loads(tmp_path)
     shard.write_bytes(shard.read_bytes() + b"?")  # the size is all it checks of the shards
     index = (state / ".metadata").read_bytes()
     (state / ".metadata").unlink()
-    with pytest.raises(simple_rl.UsageError, match=r"broken \(FileNotFoundError: .*\.metadata'\)"):
-        simple_rl.check_training_state(state.parent)
+    with pytest.raises(plumbing.UsageError, match=r"broken \(FileNotFoundError: .*\.metadata'\)"):
+        plumbing.check_training_state(state.parent)
     (state / ".metadata").write_bytes(index)
-    simple_rl.check_training_state(state.parent)
+    plumbing.check_training_state(state.parent)
     (state / "parity.json").write_text('{"stack": {}}')
-    with pytest.raises(simple_rl.UsageError, match=r"\(parity.json lacks mismatched_tokens, tokens_checked\)"):
-        simple_rl.check_training_state(state.parent)
+    with pytest.raises(plumbing.UsageError, match=r"\(parity.json lacks mismatched_tokens, tokens_checked\)"):
+        plumbing.check_training_state(state.parent)
     (state / "parity.json").write_text("{")
-    with pytest.raises(simple_rl.UsageError, match=r"broken \(JSONDecodeError: "):
-        simple_rl.check_training_state(state.parent)
+    with pytest.raises(plumbing.UsageError, match=r"broken \(JSONDecodeError: "):
+        plumbing.check_training_state(state.parent)
 
 
 def test_a_run_stopped_by_an_error_first_finishes_the_save_under_way(tmp_path, monkeypatch):
@@ -1228,8 +1245,8 @@ def test_a_run_stopped_by_an_error_first_finishes_the_save_under_way(tmp_path, m
         simple_rl.main(args, device="cpu", engine_class=DiesInStep1)
     checkpoints = tmp_path / "checkpoints" / "stopped"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000001"]
-    assert simple_rl.Checkpoints.under_way is None
-    assert simple_rl.saved_run(checkpoints / "step_000001")[1] == 1 and training_state(checkpoints / "step_000001")
+    assert plumbing.Checkpoints.under_way is None
+    assert plumbing.saved_run(checkpoints / "step_000001", simple_rl.Args)[1] == 1 and training_state(checkpoints / "step_000001")
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoints_whole(tmp_path):
@@ -1239,7 +1256,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoints_whole(tmp_path):
     code = f"""
 import pathlib, shutil, sys, time
 sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
-import simple_rl, test_rl
+import plumbing, simple_rl, test_rl
 tmp = pathlib.Path({str(tmp_path)!r})
 checkpoints, _, optimizer = test_rl.cpu_checkpoints(tmp, pathlib.Path({str(model_dir)!r}))
 checkpoints.save(1, {{"tokens_checked": 0, "mismatched_tokens": 0}})
@@ -1250,7 +1267,7 @@ def half(weights, source_dir, directory):  # the training state is written: the 
     (directory / "model.safetensors").write_bytes(b"half")
     (tmp / "cut").touch()
     time.sleep(600)
-simple_rl.write_hf_checkpoint = half
+plumbing.write_hf_checkpoint = half
 checkpoints.save(2, {{"tokens_checked": 0, "mismatched_tokens": 0}})
 time.sleep(600)
 """
@@ -1269,7 +1286,7 @@ time.sleep(600)
                            if f.is_file())
     assert all((first / f).read_bytes() == (tmp_path / "as_it_was" / f).read_bytes() for f in files)
     restored = simple_rl.MasterWeights(simple_rl.load_qwen3(first, "cpu"), 1e-3, 0.0)
-    simple_rl.restore_training_state(first, restored, None, make_args())  # whole: it resumes
+    plumbing.restore_training_state(first, restored, None, make_args(), simple_rl.World())  # whole: it resumes
     checkpoints, _, _ = cpu_checkpoints(tmp_path, model_dir)
     checkpoints.save(3, {"tokens_checked": 0, "mismatched_tokens": 0})
     checkpoints.wait()
@@ -1283,10 +1300,10 @@ def test_large_weights_are_written_in_shards_that_load(tmp_path, monkeypatch):
 
     model_dir = write_gsm8k_model(tmp_path / "model")
     model = simple_rl.load_qwen3(model_dir, "cpu")
-    monkeypatch.setattr(simple_rl, "SHARD_BYTES", sum(p.numel() * 2 for p in model.parameters()) // 3)
+    monkeypatch.setattr(plumbing, "SHARD_BYTES", sum(p.numel() * 2 for p in model.parameters()) // 3)
     out = tmp_path / "out"
     out.mkdir()
-    simple_rl.write_hf_checkpoint(dict(simple_rl.hf_weights(model)), model_dir, out)
+    plumbing.write_hf_checkpoint(dict(simple_rl.hf_weights(model)), model_dir, out)
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(files) > 2 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -1304,7 +1321,7 @@ def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeyp
 
     model_dir = write_chat_model(tmp_path / "chat")
     monkeypatch.chdir(tmp_path)
-    args = simple_rl.check_args(small_run(model_dir, run_name="chat", prompt_format="chat", thinking=True, steps=1,
+    args = plumbing.check_args(small_run(model_dir, run_name="chat", prompt_format="chat", thinking=True, steps=1,
                                           max_new_tokens=4, max_tokens_per_microbatch=800, sft_steps=1,
                                           sft_batch_size=2, eval_every=0, assert_bitwise=False), 1)
     engines = []
@@ -1315,7 +1332,8 @@ def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeyp
     saved = AutoTokenizer.from_pretrained(tmp_path / "checkpoints" / "chat" / "step_000001")
     assert saved.chat_template == QWEN3_CHAT_TEMPLATE and len(saved) == len(AutoTokenizer.from_pretrained(model_dir))
 
-    inputs = simple_rl.load_inputs(args)
+    inputs = plumbing.load_inputs(args, lambda config: simple_rl.model_shape(simple_rl.model_args_from_hf_config(config)),
+                                   simple_rl.encode_dataset, simple_rl.ANSWER_AFTER_HASHES)
     order = list(range(len(inputs.train_rows)))
     simple_rl.warm_start(simple_rl.load_qwen3(model_dir, "cpu"), inputs, order, args, simple_rl.World())
     assert all(r["answer_ids"][-1] == im_end for r in inputs.train_rows)
