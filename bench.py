@@ -31,8 +31,8 @@ ended, copying to host memory) and each step beneath a write against the median 
 seconds and rate (a disk slower than the saves shows as waiting), the wait for the last write at the end,
 and the seconds the page-locked memory took to make at the start.
 Each timed step's median vLLM engine step is printed too, both sides, and the GPU time of the model's forward
-in it (CUDA events): the rest is vLLM's host work, which bounds a step at 256 sequences (H100: 7.4 ms of forward
-in steps of 9.5-15 ms, the host's speed moving by half between generations).
+in it (CUDA events): the rest is vLLM's host work, which bounds a step at 256 sequences (H100: 7.4 ms
+of forward in steps of 9.5-15 ms, the host's speed moving by half between generations).
 
 Scaling benchmark (--gpus N). simple_rl.py itself, end to end, on a random model of --shape with a
 tokenizer trained on --gsm8k (also its questions): `python simple_rl.py` on one GPU, then `torchrun
@@ -189,8 +189,8 @@ def exact_step_runner(ckpt: Path, args):
         run=simple_rl.Run(run_name="bench", output_dir=str(ckpt.parent / "checkpoints"), keep_last=1),
     )
     world = simple_rl.World()
-    engine = simple_rl.VLLMEngine(ckpt, args.vllm_gpu_memory, config.data.max_prompt_tokens + args.max_new_tokens,
-                                  seed=0)
+    engine = simple_rl.VLLMEngine(ckpt, args.vllm_gpu_memory,
+                                  config.data.max_prompt_tokens + args.max_new_tokens, seed=0)
     model = simple_rl.load_qwen3(ckpt, "cuda", activation_checkpointing=args.activation_checkpointing)
     optimizer = simple_rl.MasterWeights(model, config.optimizer.lr, config.optimizer.weight_decay)
     prompts, rewards = bench_prompts(args)
@@ -214,8 +214,8 @@ def exact_step_runner(ckpt: Path, args):
         }
 
     start = time.perf_counter()
-    checkpoints = plumbing.Checkpoints(model, functools.partial(simple_rl.hf_weights, model), optimizer, None, ckpt,
-                                       config, world)
+    checkpoints = plumbing.Checkpoints(model, functools.partial(simple_rl.hf_weights, model), optimizer, None,
+                                       ckpt, config, world)
     step.parts = {"vLLM sleeps": (engine, "sleep"), "micro-batches": (simple_rl, "train_on_rollouts"),
                   "parity": (simple_rl, "compare_bits"), "optimizer step": (optimizer, "step")}
     return step, checkpoints, time.perf_counter() - start
@@ -239,7 +239,8 @@ def saving_steps(step, checkpoints, first: int, every: int) -> dict:
         if i > first:
             out["writes"].append(checkpoints.ended - checkpoints.begun)
         checkpoints.save(i + 1, {})
-        out["saving"].append({"step": sum(times.values()), "held": waited + checkpoints.held, "waited": waited})
+        out["saving"].append({"step": sum(times.values()), "held": waited + checkpoints.held,
+                              "waited": waited})
     start = time.perf_counter()
     checkpoints.wait()
     out["end_wait"] = time.perf_counter() - start
@@ -259,106 +260,103 @@ def save_costs(run: dict) -> dict:
             "writes": saves["writes"], "end_wait": saves["end_wait"], "pinning": run["pinning"]}
 
 
+def standard_engine(ckpt: Path, args):
+    """vLLM as a standard RL run starts it: its defaults (torch.compile, CUDA graphs), in this process for the
+    in-process push, asleep while the trainer trains."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm
+
+    return vllm.LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                    enable_prefix_caching=False, enable_sleep_mode=True,
+                    gpu_memory_utilization=args.vllm_gpu_memory, max_model_len=512 + args.max_new_tokens,
+                    max_num_seqs=256)
+
+
+def padded_micro_batches(prompts, completions, token_budget: int):
+    """Consecutive samples, right-padded to the longest, in micro-batches of at most `token_budget` tokens
+    (padding included): (first, end, ids, mask, rows, targets), `rows` the (sample, position) pairs whose
+    logits predict a completion token, `targets` those tokens."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    start = 0
+    while start < len(prompts):
+        end = start + 1
+        while end < len(prompts) and (end + 1 - start) * max(lengths[start : end + 1]) <= token_budget:
+            end += 1
+        ids = torch.zeros(end - start, max(lengths[start:end]), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        rows, targets = [], []
+        for b, i in enumerate(range(start, end)):
+            seq = prompts[i] + completions[i]
+            ids[b, : len(seq)], mask[b, : len(seq)] = torch.tensor(seq), 1
+            rows += [(b, t) for t in range(len(prompts[i]) - 1, len(seq) - 1)]
+            targets += completions[i]
+        yield start, end, ids, mask, rows, targets
+        start = end
+
+
+def standard_train(model, masters: list, optimizer, prompts, completions, vllm_logprobs, advantages, args):
+    """One standard GRPO update: HF transformers' forward and backward in padded micro-batches, the same
+    PPO-clip loss over the step's tokens, fp32 gradient sums, clipping, AdamW on fp32 masters, rounded into
+    the model."""
+    params, n_tokens = list(model.parameters()), sum(len(c) for c in completions)
+    for start, end, ids, mask, rows, targets in padded_micro_batches(prompts, completions,
+                                                                     args.max_tokens_per_microbatch):
+        hidden = model.model(input_ids=ids.cuda(), attention_mask=mask.cuda(),
+                             use_cache=False).last_hidden_state
+        b_idx, t_idx = torch.tensor(rows).cuda().unbind(1)
+        logits = model.lm_head(hidden[b_idx, t_idx])  # (C, V): only the completion tokens' rows
+        logprobs = logits.float().log_softmax(-1).gather(-1,
+                                                         torch.tensor(targets).cuda()[:, None]).squeeze(-1)
+        old = torch.cat(vllm_logprobs[start:end]).cuda()
+        lengths = torch.tensor([len(c) for c in completions[start:end]]).cuda()
+        loss, _, _ = simple_rl.ppo_clip_loss(logprobs, old,
+                                             advantages[start:end].cuda().repeat_interleave(lengths), 0.2)
+        (loss.sum() / n_tokens).backward()
+        for master, p in zip(masters, params):  # fp32 gradient sums, as the exact side keeps them
+            master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
+            p.grad = None
+    torch.nn.utils.clip_grad_norm_(masters, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for master, p in zip(masters, params):
+            p.copy_(master)
+
+
 def standard_step_runner(ckpt: Path, args):
     """A standard non-exact GRPO step on the same data: vLLM defaults, HF transformers' Qwen3."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process, for the in-process push
-    import vllm
     from transformers import Qwen3ForCausalLM
 
-    llm = vllm.LLM(
-        model=str(ckpt),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        seed=0,
-        enable_prefix_caching=False,
-        enable_sleep_mode=True,
-        gpu_memory_utilization=args.vllm_gpu_memory,
-        max_model_len=512 + args.max_new_tokens,
-        max_num_seqs=256,
-    )
+    llm = standard_engine(ckpt, args)
+    import vllm  # after standard_engine set its environment
     model = Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
     model.train()  # Qwen3 has no dropout; transformers checkpoints activations only in train mode
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    params = [p for p in model.parameters()]
-    masters = [p.detach().float().clone() for p in params]
+    masters = [p.detach().float().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(masters, lr=1e-6, weight_decay=0.0)
     prompts, rewards = bench_prompts(args)
     advantages = simple_rl.group_advantages(rewards, args.samples, True)
     engine_steps = EngineSteps(llm)
 
-    def train(completions, vllm_logprobs):
-        n_tokens = sum(len(c) for c in completions)
-        lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-        start = 0
-        while start < len(prompts):  # padded micro-batches of at most --max-tokens-per-microbatch tokens
-            end = start + 1
-            while (
-                end < len(prompts)
-                and (end + 1 - start) * max(lengths[start : end + 1]) <= args.max_tokens_per_microbatch
-            ):
-                end += 1
-            L = max(lengths[start:end])
-            ids = torch.zeros(end - start, L, dtype=torch.long)
-            mask = torch.zeros(end - start, L, dtype=torch.long)
-            rows, targets = [], []
-            for b, i in enumerate(range(start, end)):
-                seq = prompts[i] + completions[i]
-                ids[b, : len(seq)], mask[b, : len(seq)] = torch.tensor(seq), 1
-                rows += [(b, t) for t in range(len(prompts[i]) - 1, len(seq) - 1)]
-                targets += completions[i]
-            out = model.model(input_ids=ids.cuda(), attention_mask=mask.cuda(), use_cache=False)
-            hidden = out.last_hidden_state
-            b_idx, t_idx = torch.tensor(rows).cuda().unbind(1)
-            logits = model.lm_head(hidden[b_idx, t_idx])  # (C, V): only the completion tokens' rows
-            logprobs = (
-                logits.float().log_softmax(-1).gather(-1, torch.tensor(targets).cuda()[:, None]).squeeze(-1)
-            )
-            old = torch.cat(vllm_logprobs[start:end]).cuda()
-            adv = (
-                advantages[start:end]
-                .cuda()
-                .repeat_interleave(torch.tensor([len(c) for c in completions[start:end]]).cuda())
-            )
-            loss, _, _ = simple_rl.ppo_clip_loss(logprobs, old, adv, 0.2)
-            (loss.sum() / n_tokens).backward()
-            for master, p in zip(masters, params):  # fp32 gradient sums, as the exact side keeps them
-                master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
-                p.grad = None
-            start = end
-        torch.nn.utils.clip_grad_norm_(masters, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for master, p in zip(masters, params):
-                p.copy_(master)
-
     def step(i: int) -> tuple[dict, dict]:
         times, memory = {}, {}
-        with plumbing.phase("generate", times, memory):
+        with plumbing.timed_phase("generate", times, memory):
             seeds = simple_rl.rollout_seeds(0, i, len(prompts))
-            sampling = [
-                vllm.SamplingParams(
-                    temperature=1.0,
-                    max_tokens=args.max_new_tokens,
-                    seed=s if args.seeded_standard else None,  # a standard RL run samples unseeded
-                    logprobs=0,
-                    flat_logprobs=True,  # the exact side's host work (simple_rl.VLLMEngine.generate)
-                    detokenize=False,
-                    ignore_eos=True,
-                )
-                for s in seeds
-            ]
+            sampling = [vllm.SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens,
+                                            # a standard run: unseeded
+                                            seed=s if args.seeded_standard else None,
+                                            logprobs=0, flat_logprobs=True,  # the exact side's host work
+                                            detokenize=False, ignore_eos=True) for s in seeds]
             with gc_off():
-                outputs = llm.generate(
-                    [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False
-                )
+                outputs = llm.generate([vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
+                                       use_tqdm=False)
             completions = [list(o.outputs[0].token_ids) for o in outputs]
             logprobs = [torch.tensor(o.outputs[0].logprobs.logprobs) for o in outputs]
-        with plumbing.phase("train", times, memory):
+        with plumbing.timed_phase("train", times, memory):
             llm.sleep(level=2)
-            train(completions, logprobs)
-        with plumbing.phase("push", times, memory):
+            standard_train(model, masters, optimizer, prompts, completions, logprobs, advantages, args)
+        with plumbing.timed_phase("push", times, memory):
             torch.cuda.empty_cache()
             llm.wake_up(tags=["weights"])
             weights = dict(model.state_dict())
@@ -405,7 +403,8 @@ def profile_train_phase(step, i: int) -> None:
         for name, (owner, attribute) in step.parts.items():
             stack.enter_context(in_range(owner, attribute, name))
         stack.callback(prof.__exit__, None, None, None)
-        stack.callback(torch.cuda.synchronize)  # first: the profiler stops once the GPU ran what the step launched
+        # first: the profiler stops once the GPU ran what the step launched
+        stack.callback(torch.cuda.synchronize)
         times, _ = step(i, after_sample=prof.__enter__)
     events, cpu, gpu = prof.key_averages(), torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     # a part's range shows on the CPU (its wall time) and, as an annotation, on the GPU's timeline too
@@ -414,7 +413,8 @@ def profile_train_phase(step, i: int) -> None:
     print(f"\ntrain and push phases of one step, {torch.cuda.get_device_name()}: {times['train']:.2f} + "
           f"{times['push']:.2f} s wall, the GPU's kernels {busy:.2f} s")
     for name, e in parts.items():  # a part's wall time includes the waits for the GPU it ends with
-        print(f"  {name:<16}{e.cpu_time_total / 1e6:>8.3f} s wall{e.device_time_total / 1e6:>8.3f} s of kernels")
+        print(f"  {name:<16}{e.cpu_time_total / 1e6:>8.3f} s wall"
+              f"{e.device_time_total / 1e6:>8.3f} s of kernels")
     print(table)
 
 
@@ -434,7 +434,8 @@ def in_range(owner, attribute: str, name: str):
 
 
 def top_kernels(events, rows: int) -> tuple[float, str]:
-    """The seconds the GPU ran these profiler events' kernels, and a table of the `rows` that took the most."""
+    """The seconds the GPU ran these profiler events' kernels, and a table of the `rows` that took the
+    most."""
     kernels = sorted((e for e in events if e.self_device_time_total), key=lambda e: -e.self_device_time_total)
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
     lines = [f"  {'kernel':<80}{'calls':>7}{'GPU s':>9}{'share':>7}"]
@@ -452,7 +453,8 @@ def combine(runs: list[dict]) -> dict:
     out["step"] = statistics.median(sum(times.values()) for times in steps)
     medians = [{name: statistics.median(t[name] for t in run["steps"]) for name in steps[0]}
                | {"step": statistics.median(sum(t.values()) for t in run["steps"])} for run in runs]
-    out["spread"] = {name: (min(m[name] for m in medians), max(m[name] for m in medians)) for name in medians[0]}
+    out["spread"] = {name: (min(m[name] for m in medians), max(m[name] for m in medians))
+                     for name in medians[0]}
     out["steps"] = [sum(times.values()) for times in steps]
     out["peak_gib"] = max(max(run["peak_gib"]) for run in runs)
     out["mismatched_tokens"] = [n for run in runs for n in run["mismatched_tokens"]]
@@ -474,11 +476,13 @@ def save_lines(saves: list[dict], every: int) -> str:
              f"{seconds(c['beneath'])}, over one that does neither; writes of {c['bytes'] / 1e9:.1f} GB in "
              + ", ".join(f"{w:.1f}" for w in c["writes"]) + " s ("
              + ", ".join(f"{c['bytes'] / 1e9 / w:.2f}" for w in c["writes"]) + " GB/s) in the background, "
-             f"the end waited {c['end_wait']:.1f} s; page-locked memory made at the start in {c['pinning']:.1f} s"
+             f"the end waited {c['end_wait']:.1f} s; page-locked memory made at the start in "
+             f"{c['pinning']:.1f} s"
              for i, c in enumerate(saves)]
     worst, waited = max((extra, w) for c in saves for extra, w in zip(c["saving"], c["waited"]))
-    why = (f" ({waited:.2f} s of it waiting for the previous write: this disk writes a checkpoint more slowly "
-           f"than {every} steps run)" if waited > 1 else "")  # simple_rl.py's `save` says so from 1 s too
+    # simple_rl.py's `save` says so from 1 s too
+    why = (f" ({waited:.2f} s of it waiting for the previous write: this disk writes a checkpoint more "
+           f"slowly than {every} steps run)" if waited > 1 else "")
     return "\n".join(lines + [f"  the slowest step that saves: {worst:+.2f} s over one that does not{why}"])
 
 
@@ -515,7 +519,8 @@ def step_benchmark(args) -> dict:
     print(
         f"\nOne GRPO step, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), "
         f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens, "
-        f"{exact['device']}; median of {args.repeats} x {args.iters} steps (sides run {'ABBA'[:2 * args.repeats]})"
+        f"{exact['device']}; median of {args.repeats} x {args.iters} steps "
+        f"(sides run {'ABBA'[:2 * args.repeats]})"
     )
     print(
         f"  {'':<10}" + "".join(f"{name:>13}" for name in ("generate", "train", "push", "step", "peak GPU"))
@@ -593,7 +598,8 @@ def fits_benchmark(args) -> dict:
     """simple_rl.py on one GPU for each of --fits' configurations ("SHAPE [FLAG ...]"): what fits where, with
     its step time, peak GPU and host memory, and the plan it printed."""
     if args.gsm8k is None:
-        raise SystemExit("--fits needs --gsm8k: the GSM8K train jsonl (the questions and the tokenizer's text)")
+        raise SystemExit("--fits needs --gsm8k: the GSM8K train jsonl "
+                         "(the questions and the tokenizer's text)")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -606,9 +612,10 @@ def fits_benchmark(args) -> dict:
             results[config] = script_run(1, model, workdir, args, flags, name=f"fits_{i}")
             if all(c.split()[0] != shape for c in args.fits[i + 1:]):  # disk: an 8B model is 16 GB
                 shutil.rmtree(model)
-    print(f"\nsimple_rl.py on one {torch.cuda.get_device_name()}, {args.prompts} prompts x {args.samples} samples x "
-          f"{args.max_new_tokens} new tokens; means of {args.iters} steps after the first")
-    print(f"  {'configuration':<58}{'step':>8}{'train':>8}{'GPU peak':>10}{'host peak':>11}  mismatched / plan")
+    print(f"\nsimple_rl.py on one {torch.cuda.get_device_name()}, {args.prompts} prompts x {args.samples} "
+          f"samples x {args.max_new_tokens} new tokens; means of {args.iters} steps after the first")
+    print(f"  {'configuration':<58}{'step':>8}{'train':>8}{'GPU peak':>10}{'host peak':>11}"
+          "  mismatched / plan")
     for config, r in results.items():
         print(f"  {config:<58}{r['step']:>7.2f}s{r['train']:>7.2f}s{r['peak_gib'][0]:>6.1f} GiB"
               f"{r['host_peak_gib']:>7.1f} GiB  {sum(r['mismatched_tokens'])} / {r['planned']}")
@@ -617,7 +624,8 @@ def fits_benchmark(args) -> dict:
 
 def scaling_benchmark(args) -> dict:
     if args.gsm8k is None:
-        raise SystemExit("--gpus needs --gsm8k: the GSM8K train jsonl (the questions and the tokenizer's text)")
+        raise SystemExit("--gpus needs --gsm8k: the GSM8K train jsonl "
+                         "(the questions and the tokenizer's text)")
     visible, n = len(visible_gpus()), args.gpus
     if not 2 <= n <= visible:
         raise SystemExit(f"--gpus {n}: give 2 or more, at most the {visible} GPUs visible")
@@ -636,27 +644,33 @@ def scaling_benchmark(args) -> dict:
 
 
 def scaling_ratios(runs: dict, n: int) -> dict:
-    """Strong scaling (the same step on n GPUs), weak (n times the step on n), the trainer's cost per token."""
+    """Strong scaling (the same step on n GPUs), weak (n times the step on n), the trainer's cost per
+    token."""
     one, strong, weak = runs["1 GPU"], runs[f"{n} GPUs"], runs[f"{n} GPUs, {n}x"]
     return {"strong": one["step"] / strong["step"], "strong_generate": one["generate"] / strong["generate"],
-            "strong_train": one["train"] / strong["train"], "weak": weak["tokens_per_s"] / one["tokens_per_s"],
+            "strong_train": one["train"] / strong["train"],
+            "weak": weak["tokens_per_s"] / one["tokens_per_s"],
             "train_per_token": weak["train"] / one["train"]}
 
 
 def scaling_lines(runs: dict, n: int, args, device: str) -> str:
     n_layers = args.layers or SHAPES[args.shape]["layers"]
     r = scaling_ratios(runs, n)
-    lines = [f"simple_rl.py, Qwen3-{args.shape} shape ({n_layers} layers), {args.prompts} prompts x {args.samples} "
-             f"samples, up to {args.max_new_tokens} new tokens, {device}; means of {args.iters} steps after the first",
-             f"  {'':<14}" + "".join(f"{p:>11}" for p in (*PHASES, "step")) + f"{'tokens/s':>11}   peak GPU memory"]
+    lines = [f"simple_rl.py, Qwen3-{args.shape} shape ({n_layers} layers), {args.prompts} prompts x "
+             f"{args.samples} samples, up to {args.max_new_tokens} new tokens, {device}; "
+             f"means of {args.iters} steps after the first",
+             f"  {'':<14}" + "".join(f"{p:>11}" for p in (*PHASES, "step"))
+             + f"{'tokens/s':>11}   peak GPU memory"]
     for label, run in runs.items():
         lines.append(f"  {label:<14}" + "".join(f"{run[p]:>10.2f}s" for p in (*PHASES, "step"))
-                     + f"{run['tokens_per_s']:>11,.0f}   " + " / ".join(f"{g:.1f}" for g in run["peak_gib"]) + " GiB")
-    lines += [f"  strong scaling ({n} GPUs, the same step): {r['strong']:.2f}x (generate {r['strong_generate']:.2f}x, "
-              f"train {r['strong_train']:.2f}x)",
-              f"  weak scaling ({n} GPUs, {n}x the prompts): throughput {r['weak']:.2f}x; the sharded trainer's "
-              f"cost per token {r['train_per_token']:.2f}x one GPU's"]
-    lines += [f"  mismatched tokens per step, {label}: {run['mismatched_tokens']}" for label, run in runs.items()]
+                     + f"{run['tokens_per_s']:>11,.0f}   " + " / ".join(f"{g:.1f}" for g in run["peak_gib"])
+                     + " GiB")
+    lines += [f"  strong scaling ({n} GPUs, the same step): {r['strong']:.2f}x "
+              f"(generate {r['strong_generate']:.2f}x, train {r['strong_train']:.2f}x)",
+              f"  weak scaling ({n} GPUs, {n}x the prompts): throughput {r['weak']:.2f}x; "
+              f"the sharded trainer's cost per token {r['train_per_token']:.2f}x one GPU's"]
+    lines += [f"  mismatched tokens per step, {label}: {run['mismatched_tokens']}"
+              for label, run in runs.items()]
     return "\n".join(lines)
 
 
@@ -722,7 +736,8 @@ def trainer_benchmark(args) -> dict:
             f"  {name:<10} {r['tokens_per_s']:>10,.0f} tokens/s   peak {r['peak_gib']:6.1f} GiB above weights"
         )
     print(
-        f"  trainer / reference: speed {results['speed_ratio']:.2f}x, peak memory {results['memory_ratio']:.2f}x"
+        f"  trainer / reference: speed {results['speed_ratio']:.2f}x, "
+        f"peak memory {results['memory_ratio']:.2f}x"
     )
     if args.profile:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -797,7 +812,8 @@ def decode_norms_ms(shape: str, layers: int, m: int, norm) -> float:
     x, residual = (torch.randn(m, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     qkv = torch.randn(m, (h + 2 * kv) * hd, device="cuda", dtype=torch.bfloat16)
     q, k = qkv[:, : h * hd].view(m, h, hd), qkv[:, h * hd : (h + kv) * hd].view(m, kv, hd)
-    w, w_head = torch.ones(d, device="cuda", dtype=torch.bfloat16), torch.ones(hd, device="cuda", dtype=torch.bfloat16)
+    w, w_head = (torch.ones(d, device="cuda", dtype=torch.bfloat16),
+                 torch.ones(hd, device="cuda", dtype=torch.bfloat16))
 
     def step():
         for i in range(layers):
@@ -843,7 +859,8 @@ def kernel_benchmark(args) -> dict:
         tflops = {label: 2 * m * n * k / triton.testing.do_bench(lambda: method(x, w)) / 1e9
                   for label, method in methods.items()}
         results["tflops"][name] = tflops
-        print(f"  {name:<8} N={n:<6} K={k:<5}" + "".join(f"{label:>14} {t:5.0f}" for label, t in tflops.items()))
+        print(f"  {name:<8} N={n:<6} K={k:<5}"
+              + "".join(f"{label:>14} {t:5.0f}" for label, t in tflops.items()))
     # The same bits: every product tiled_linear computes equals vLLM's, over M from 1 to 32k.
     differ, checked = 0, 0
     for name, (n, k) in shapes.items():
@@ -856,8 +873,10 @@ def kernel_benchmark(args) -> dict:
             differ += int((ours.view(torch.int16) != theirs.view(torch.int16)).sum())
             checked += ours.numel()
     results["differing_elements"] = differ
+    tiles = sorted({tuple(matmul_tiles(m, n, 132).values()) for m in (1, 32, 256, 8192)
+                    for n, _ in shapes.values()})
     print(f"\ntiled_linear against vLLM's tiles: {differ} of {checked:,} output elements differ "
-          f"(tiles {sorted({tuple(matmul_tiles(m, n, 132).values()) for m in (1, 32, 256, 8192) for n, _ in shapes.values()})})")
+          f"(tiles {tiles})")
     results |= norm_and_log_softmax_benchmark(args.shape, n_layers)
     if args.sweep:
         results["sweep"] = tile_sweep(shapes, weight)
@@ -894,8 +913,10 @@ def norm_and_log_softmax_benchmark(shape: str, n_layers: int) -> dict:
               f"{softmaxes[0]:>17.3f} ms{softmaxes[1]:>7.3f} ms{softmaxes[1] / softmaxes[0]:>7.2f}x"
               f"{tokens_ms[0]:>20.3f} ms{tokens_ms[1]:>7.3f} ms{tokens_ms[1] / tokens_ms[0]:>7.2f}x")
     m = 8192  # a training micro-batch's tokens: its forward runs these norms too
-    out["norms_ms"][m] = norms = [decode_norms_ms(shape, n_layers, m, norm) for norm in (vllm_norm, rms_norm_rows)]
-    print(f"  {m:>6}{norms[0]:>11.3f} ms{norms[1]:>12.3f} ms{norms[1] / norms[0]:>7.2f}x  (a micro-batch's forward)")
+    out["norms_ms"][m] = norms = [decode_norms_ms(shape, n_layers, m, norm)
+                                  for norm in (vllm_norm, rms_norm_rows)]
+    print(f"  {m:>6}{norms[0]:>11.3f} ms{norms[1]:>12.3f} ms{norms[1] / norms[0]:>7.2f}x"
+          "  (a micro-batch's forward)")
     return out
 
 
@@ -909,7 +930,8 @@ def tile_sweep(shapes: dict, weight) -> dict:
 
     candidates = [dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, num_warps=w, num_stages=s)
                   for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128, 256) for w in (4, 8)
-                  for s in (3, 4, 6, 8) if (bm * 64 + 64 * bn) * 2 * s <= 200_000 and not (w == 8 and bm * bn < 4096)]
+                  for s in (3, 4, 6, 8)
+                  if (bm * 64 + 64 * bn) * 2 * s <= 200_000 and not (w == 8 and bm * bn < 4096)]
     out, differ = {}, 0
     for name, (n, k) in shapes.items():
         w = weight(n, k)
@@ -925,7 +947,8 @@ def tile_sweep(shapes: dict, weight) -> dict:
                 except Exception:  # out of shared memory or registers
                     continue
                 differ += int((y.view(torch.int16) != reference.view(torch.int16)).sum())
-                timed.append((triton.testing.do_bench(lambda: tiled_linear(x, w, tiles=tiles), warmup=3, rep=10),
+                timed.append((triton.testing.do_bench(lambda: tiled_linear(x, w, tiles=tiles),
+                                                      warmup=3, rep=10),
                               tuple(tiles.values())))
             base = triton.testing.do_bench(lambda: matmul_persistent(x, w.t()), warmup=5, rep=20)
             cublas = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, w), warmup=5, rep=20)
@@ -989,7 +1012,8 @@ def decode_side(side: str, args) -> dict:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 wall = generate(64)
             busy, table = top_kernels(prof.key_averages(), 20)
-            print(f"[{side}, {n} sequences, 64 new tokens: {wall:.3f} s wall, the GPU's kernels {busy:.3f} s]\n{table}")
+            print(f"[{side}, {n} sequences, 64 new tokens: {wall:.3f} s wall, the GPU's kernels {busy:.3f} s]"
+                  f"\n{table}")
     return out
 
 
@@ -1001,7 +1025,8 @@ def decode_benchmark(args) -> dict:
             if side != "decode-standard":
                 env["VLLM_BATCH_INVARIANT"] = "1"
             out = Path(tmp) / "side.json"
-            cmd = [sys.executable, __file__, "--shape", args.shape, *(["--layers", str(args.layers)] if args.layers else []),
+            cmd = [sys.executable, __file__, "--shape", args.shape,
+                   *(["--layers", str(args.layers)] if args.layers else []),
                    "--vllm-gpu-memory", str(args.vllm_gpu_memory), *(["--profile"] if args.profile else []),
                    "--side", side, "--json", str(out)]
             subprocess.run(cmd, env=env, check=True)
@@ -1010,9 +1035,10 @@ def decode_benchmark(args) -> dict:
             ms = results[name] = {n: statistics.median(t) for n, t in pairs.items()}
             spreads[name] = {n: (t[0], t[-1]) for n, t in pairs.items()}
             # printed now too: a run cut short (a timeout, a failing side) still reports the sides it ran
-            print(f"  {side}: " + ", ".join(f"{t:.2f} ms at {n} sequences" for n, t in ms.items()), flush=True)
-    print(f"\nA decode step, Qwen3-{args.shape} shape, {torch.cuda.get_device_name()}: ms per step, the median of "
-          "3 (lowest-highest)")
+            print(f"  {side}: " + ", ".join(f"{t:.2f} ms at {n} sequences" for n, t in ms.items()),
+                  flush=True)
+    print(f"\nA decode step, Qwen3-{args.shape} shape, {torch.cuda.get_device_name()}: ms per step, "
+          "the median of 3 (lowest-highest)")
     print(f"  {'':<20}{'32 sequences':>20}{'256 sequences':>22}")
     for side, ms in results.items():
         print(f"  {side:<20}" + "".join(f"{ms[n]:>8.2f} ({spreads[side][n][0]:.2f}-{spreads[side][n][1]:.2f})"
@@ -1032,11 +1058,13 @@ def write_model(directory: Path, shape: str, gsm8k: Path, layers: int | None = N
     rows = [json.loads(line) for line in gsm8k.read_text().splitlines()[:2000]]
     directory.mkdir(parents=True, exist_ok=True)
     tok = write_tokenizer(directory, [r["question"] + "\n" + r["answer"] for r in rows])
-    write_checkpoint(directory, shape_config(shape, layers, eos_token_id=tok.eos_token_id), seed=0, device="cuda")
+    write_checkpoint(directory, shape_config(shape, layers, eos_token_id=tok.eos_token_id), seed=0,
+                     device="cuda")
     print(f"wrote {directory}: random Qwen3-{shape} shape, tokenizer of {len(tok)} tokens")
 
 
-def main():
+def parse_flags() -> argparse.Namespace:
+    """bench.py's command line: which benchmark to run, and its settings."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1057,7 +1085,8 @@ def main():
     step.add_argument("--save-every", type=int, default=4,
                       help="the exact side's 2 saves after its timed steps: this many steps apart")
     step.add_argument("--seeded-standard", action="store_true",
-                      help="the standard side seeds each request too (vLLM 0.20 then draws noise per request)")
+                      help="the standard side seeds each request too "
+                      "(vLLM 0.20 then draws noise per request)")
     step.add_argument("--side", choices=["exact", "standard", *DECODE_SIDES], help=argparse.SUPPRESS)
     step.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     trainer = parser.add_argument_group("trainer-only benchmark")
@@ -1066,8 +1095,8 @@ def main():
     trainer.add_argument("--seqlen", type=int, default=1024)
     trainer.add_argument(
         "--profile", action="store_true",
-        help="also print the top CUDA kernels: of the trainer (--trainer-only), of decoding (--decode), or of the "
-        "exact side's train phase (the step benchmark)"
+        help="also print the top CUDA kernels: of the trainer (--trainer-only), of decoding (--decode), "
+        "or of the exact side's train phase (the step benchmark)"
     )
     kernels = parser.add_argument_group("kernel benchmarks")
     kernels.add_argument("--kernels", action="store_true",
@@ -1075,14 +1104,21 @@ def main():
                          "cuBLAS); a decode step's norms and the sampler's log-softmax (vLLM's, ours)")
     kernels.add_argument("--sweep", action="store_true", help="with --kernels: time every tile shape")
     kernels.add_argument("--decode", nargs="*", choices=DECODE_SIDES, metavar="SIDE",
-                         help="ms per decode step: the standard engine, the exact one with vLLM's and with our "
-                         f"tiles (default: all of {', '.join(DECODE_SIDES)})")
-    parser.add_argument("--gpus", type=int, help="the scaling benchmark: simple_rl.py on 1 GPU, then on this many")
+                         help="ms per decode step: the standard engine, the exact one with vLLM's and with "
+                         f"our tiles (default: all of {', '.join(DECODE_SIDES)})")
+    parser.add_argument("--gpus", type=int,
+                        help="the scaling benchmark: simple_rl.py on 1 GPU, then on this many")
     parser.add_argument("--fits", nargs="+", metavar="'SHAPE [FLAG ...]'",
-                        help="simple_rl.py on one GPU in each configuration: step time, peak GPU and host memory")
+                        help="simple_rl.py on one GPU in each configuration: step time, "
+                        "peak GPU and host memory")
     parser.add_argument("--write-model", type=Path, metavar="DIR")
-    parser.add_argument("--gsm8k", type=Path, help="GSM8K train jsonl for --write-model's tokenizer (and --gpus)")
-    args = parser.parse_args()
+    parser.add_argument("--gsm8k", type=Path,
+                        help="GSM8K train jsonl for --write-model's tokenizer (and --gpus)")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_flags()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA GPU")
     random.seed(0)

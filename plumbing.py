@@ -170,30 +170,34 @@ def check_output(run) -> None:
 def check_args(args, world_size: int):
     """Fails on flags that contradict each other, the environment or the output paths (each number's range is
     checked as it is parsed); sets the run name (a timestamp) and warm-up <= steps."""
-    data, s, loss, o, e, r = args.data, args.sampling, args.loss, args.optimizer, args.engine, args.run
-    invariant, sequence = os.environ.get("VLLM_BATCH_INVARIANT"), data.max_prompt_tokens + s.max_new_tokens
+    data, sampling, loss, optimizer, engine, run = (args.data, args.sampling, args.loss, args.optimizer,
+                                                     args.engine, args.run)
+    invariant = os.environ.get("VLLM_BATCH_INVARIANT")
+    sequence = data.max_prompt_tokens + sampling.max_new_tokens
     checks = [
-        (s.samples_per_prompt >= 2, "--samples-per-prompt must be at least 2: GRPO normalises rewards "
-                                    "within each group"),
-        (0 < s.top_p <= 1, "--top-p must be in (0, 1] (1 keeps every token)"),
-        (s.temperature >= 1e-5, f"--temperature {s.temperature:g} is below 1e-5, where vLLM samples greedily "
-         "(and the trainer would divide by it)"),
+        (sampling.samples_per_prompt >= 2, "--samples-per-prompt must be at least 2: GRPO normalises rewards "
+                                           "within each group"),
+        (0 < sampling.top_p <= 1, "--top-p must be in (0, 1] (1 keeps every token)"),
+        (sampling.temperature >= 1e-5, f"--temperature {sampling.temperature:g} is below 1e-5, where vLLM "
+         "samples greedily (and the trainer would divide by it)"),
         (data.seed < 2**63 // 10**9, f"--seed must be below {2**63 // 10**9}: a step's sampling seeds, "
          "seed * 1e9 + i, are 64-bit"),
-        (o.steps <= 10**8, "--steps must be at most 100,000,000 (a step takes seconds)"),
+        (optimizer.steps <= 10**8, "--steps must be at most 100,000,000 (a step takes seconds)"),
         (not (data.thinking and data.prompt_format == "plain"), "--thinking opens a <think> block in Qwen3's "
          "chat template: use --prompt-format chat or auto"),
         (not (args.parity.locate_divergence and args.parity.assert_bitwise), "--locate-divergence is for "
          "--no-assert-bitwise runs: a parity abort always locates the divergence"),
-        (loss.kl_coef == 0 or (s.top_k == 0 and s.top_p == 1), "--kl-coef must be 0 with --top-k or --top-p: "
-         "a sampled token can lie outside the reference policy's kept set, where the KL is infinite"),
-        (0 <= o.min_lr_ratio <= 1, "--min-lr-ratio must be between 0 and 1"),
-        (r.save_every >= -1, "--save-every must be >= -1 (0: a checkpoint after the last step only; -1: no)"),
+        (loss.kl_coef == 0 or (sampling.top_k == 0 and sampling.top_p == 1), "--kl-coef must be 0 with "
+         "--top-k or --top-p: a sampled token can lie outside the reference policy's kept set, where the KL "
+         "is infinite"),
+        (0 <= optimizer.min_lr_ratio <= 1, "--min-lr-ratio must be between 0 and 1"),
+        (run.save_every >= -1, "--save-every must be >= -1 (0: a checkpoint after the last step only; "
+         "-1: no)"),
         (0 <= loss.correction_min < loss.correction_max, "need 0 <= --correction-min < --correction-max"),
-        (e.max_tokens_per_microbatch >= sequence, "--max-tokens-per-microbatch must hold one whole sequence "
-         "(>= --max-prompt-tokens + --max-new-tokens)"),
-        (0 < e.vllm_gpu_memory < 1, "--vllm-gpu-memory must be a fraction between 0 and 1"),
-        (not (data.dataset and r.eval_every and not data.eval_dataset),
+        (engine.max_tokens_per_microbatch >= sequence, "--max-tokens-per-microbatch must hold one whole "
+         "sequence (>= --max-prompt-tokens + --max-new-tokens)"),
+        (0 < engine.vllm_gpu_memory < 1, "--vllm-gpu-memory must be a fraction between 0 and 1"),
+        (not (data.dataset and run.eval_every and not data.eval_dataset),
          "--dataset is local: pass --eval-dataset (a local test jsonl) too, or --eval-every 0"),
         (invariant in (None, "0", "1"), f"VLLM_BATCH_INVARIANT is {invariant!r}, but vLLM reads it as an "
          "integer: set VLLM_BATCH_INVARIANT=1"),
@@ -201,24 +205,24 @@ def check_args(args, world_size: int):
          f"VLLM_BATCH_INVARIANT is {invariant or 'not set'}, so vLLM's logprobs cannot equal the trainer's: "
          "set VLLM_BATCH_INVARIANT=1, or pass --no-assert-bitwise to run anyway and report the mismatch"),
         *[(n % world_size == 0, f"{name} {n} must be a multiple of the {world_size} processes")
-          for name, n in (("--prompts-per-step", s.prompts_per_step),
+          for name, n in (("--prompts-per-step", sampling.prompts_per_step),
                           ("--sft-batch-size", args.warm_start.sft_batch_size))],
     ]
     for ok, message in checks:
         if not ok:
             raise UsageError(message)
-    if r.resume:
+    if run.resume:
         args, _ = check_resume(args)
-    elif r.run_name is None:
+    elif run.run_name is None:
         name = time.strftime("grpo_%Y%m%d_%H%M%S")
-        args = dataclasses.replace(args, run=dataclasses.replace(r, run_name=name))
+        args = dataclasses.replace(args, run=dataclasses.replace(run, run_name=name))
     check_output(args.run)
-    if o.warmup_steps > o.steps:
-        print(f"note: --warmup-steps {o.warmup_steps} is more than --steps {o.steps}: the learning rate "
-              f"warms up over all {o.steps} steps")
-        args = dataclasses.replace(args, optimizer=dataclasses.replace(o, warmup_steps=o.steps))
+    if optimizer.warmup_steps > optimizer.steps:
+        print(f"note: --warmup-steps {optimizer.warmup_steps} is more than --steps {optimizer.steps}: the "
+              f"learning rate warms up over all {optimizer.steps} steps")
+        warm_all = dataclasses.replace(optimizer, warmup_steps=optimizer.steps)
+        args = dataclasses.replace(args, optimizer=warm_all)
     return args
-
 
 def rope_parameters(config: dict) -> dict:
     return config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -908,7 +912,7 @@ def restore_training_state(checkpoint_dir: Path, optimizer, ref_model, args, wor
 
 # ===== Logging: the terminal and TensorBoard =====
 @contextmanager
-def phase(name: str, times: dict, memory: dict):
+def timed_phase(name: str, times: dict, memory: dict):
     """Seconds, and the whole GPU's memory in use at the end: the peak, as PyTorch keeps what it reserved."""
     import torch
     start = time.perf_counter()

@@ -45,9 +45,8 @@ import tyro
 from plumbing import (
     FIXED, CheckpointError, Checkpoints, ModelShape, UsageError, check_args, check_gpu_memory, default_is,
     exit_on, exit_on_full_disk, init_distributed, load_inputs, log_eval, log_line, log_parity, log_step,
-    log_to_file, open_tensorboard, parity_record, parse_command_line, phase, progress_bar,
-    restore_training_state, shard_model, step_line, step_scalars, torchrun_rank_and_size, weight_deltas,
-    write_whole)
+    log_to_file, open_tensorboard, parity_record, parse_command_line, progress_bar, restore_training_state,
+    shard_model, step_line, step_scalars, timed_phase, torchrun_rank_and_size, weight_deltas, write_whole)
 
 # ===== Flags: every flag; a field's comment is its --help =====
 @dataclass
@@ -307,7 +306,7 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], devic
                        targets=tokens[in_completion].to(device), completion_lens=completion_lens)
 
 
-def bins(sizes, budget: int) -> list[list[int]]:
+def consecutive_bins(sizes, budget: int) -> list[list[int]]:
     """Consecutive items in bins of at most `budget` in all (an item larger than that alone)."""
     groups, size = [], 0
     for i, n in enumerate(sizes):
@@ -320,7 +319,7 @@ def bins(sizes, budget: int) -> list[list[int]]:
 
 def packed_micro_batches(prompts, completions, token_budget: int, device, world: World = World()) -> list:
     """[(indices, PackedBatch)] of <= `token_budget` tokens in sample order, as many on every rank."""
-    groups = bins([len(p) + len(c) for p, c in zip(prompts, completions)], token_budget)
+    groups = consecutive_bins([len(p) + len(c) for p, c in zip(prompts, completions)], token_budget)
     count = world.max(len(groups))
     while len(groups) < count:  # halve the group of most samples (the sums stay the same)
         i = max(range(len(groups)), key=lambda j: len(groups[j]))
@@ -690,7 +689,7 @@ def to_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return staged.to(like.device, non_blocking=True)
 
 
-def stepped_on_host(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], grads: list[torch.Tensor]):
+def adamw_on_host(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], grads: list[torch.Tensor]):
     """Offload (`MasterWeights`): each master after its AdamW step on the CPU; the next gradient is copied
     meanwhile."""
     pending = to_host(grads[0], wait=False)
@@ -766,7 +765,7 @@ class MasterWeights:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.offload:
-            masters = stepped_on_host(self.optimizer, self.masters, grads)
+            masters = adamw_on_host(self.optimizer, self.masters, grads)
         else:
             for master, grad in zip(self.masters, grads):
                 master.grad = grad
@@ -965,7 +964,7 @@ def compare_bits(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch
 
 
 
-def whole_step(rollouts: Rollouts, trainer_logprobs: list, world: World = World()) -> tuple[Rollouts, list]:
+def gather_step(rollouts: Rollouts, trainer_logprobs: list, world: World = World()) -> tuple[Rollouts, list]:
     """Every rank's samples and trainer logprobs in rank (= sample) order: parity sees the whole step."""
     if world.size == 1:
         return rollouts, trainer_logprobs
@@ -1036,19 +1035,19 @@ def grpo_step(step: int, sample, engine, model: Qwen3, optimizer: MasterWeights,
     sleeps while the trainer trains on them (every sampled token's logprob checked bit for bit against
     vLLM's), and wakes with the new weights. Logs the step; returns every rank's rollouts and its scalars."""
     times, memory, o = {}, {}, args.optimizer
-    with phase("generate", times, memory):
+    with timed_phase("generate", times, memory):
         rollouts = sample()
-    with phase("train", times, memory):
+    with timed_phase("train", times, memory):
         engine.sleep()
         ref_logprobs = None if ref_model is None else reference_logprobs(ref_model, rollouts, args, world)
         metrics, logprobs = train_on_rollouts(model, optimizer, rollouts, ref_logprobs, args, world)
-        rollouts, logprobs = whole_step(rollouts, logprobs, world)  # every rank's samples
+        rollouts, logprobs = gather_step(rollouts, logprobs, world)  # every rank's samples
         parity, first = compare_bits(rollouts.vllm_logprobs, logprobs, rollouts.completions, world)
         log_parity(step, rollouts, logprobs, parity, args.parity.parity_report_tokens, world)
         if first and (args.parity.assert_bitwise or args.parity.locate_divergence):
             on_mismatch(first, engine, model, rollouts, parity, step, args, writer, world)
         grad_norm, changes = optimizer.step(lr := lr_at(step, o), o.max_grad_norm, world)
-    with phase("push", times, memory):
+    with timed_phase("push", times, memory):
         engine.sync_weights(model, world, changed=weights_changed(changes, world))
     deltas = weight_deltas(changes, world)
     scalars = step_scalars(rollouts, metrics, parity, grad_norm, lr, deltas, times, memory)
