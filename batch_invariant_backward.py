@@ -1220,22 +1220,6 @@ def restore_block_table_pointers(worker) -> None:
         tensor.copy_(torch.tensor(values, dtype=tensor.dtype))
 
 
-BITWISE_HEAD_DIMS = (128, 256)
-"""Head sizes where vLLM's attention is bitwise the trainer's at any length (tests/test_gpu_configs.py)"""
-
-
-def check_bitwise_head_dim(head_dim: int, longest: int, model_dir) -> None:
-    """vLLM 0.20's FlashAttention 3 sizes key tiles by head size and causality, and runs a decode-only step
-    as non-causal: at head_dim 64 it sums keys in tiles of 192 where a prefill (and the trainer) uses 128,
-    so decode rows part at layer 0's attention unless a sequence fits one tile (<= 128 tokens). Other
-    head sizes are untested."""
-    if head_dim in BITWISE_HEAD_DIMS or (head_dim == 64 and longest <= 128):
-        return
-    raise ValueError(f"--model {model_dir}: head_dim is {head_dim}; vLLM's attention is bitwise the "
-                     "trainer's only at head_dim 128 or 256, or 64 with sequences of at most 128 tokens "
-                     f"(here --max-prompt-tokens + --max-new-tokens = {longest})")
-
-
 def rope_cos_sin_cache(args, dtype: torch.dtype) -> torch.Tensor:
     """neox rotary's (max_seq_len, head_dim) [cos | sin] table, built as vLLM builds it (the kernel reads
     it): fp32 on the current default device, then rounded to the model dtype. Held in fp32 (the same values):

@@ -30,6 +30,7 @@ import tyro
 
 # ===== Flags: the parse, each number's range, one line per error =====
 FIXED = "fixed on resume"  # a flag a resume may not change: data order, seeds, batch shape, reference follow
+GSM8K = "openai/gsm8k"  # the hub's, its 'main' config: the default train and test sets
 
 
 def default_is(what: str):  # --help's "(default: ...)" for a flag whose None stands for something
@@ -86,17 +87,27 @@ def tyro_cli(args_class: type, **options):
     try:
         with redirect_stderr(boxed := io.StringIO()):
             return tyro.cli(args_class, **options)
+    except BrokenPipeError:  # --help | head: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor a flush error at exit
+        raise SystemExit(0) from None
     except SystemExit as ended:  # status 0: --help printed its text
+        if not ended.code:
+            raise
         rows = [re.sub("[\u2500-\u257f]", "", r).strip() for r in boxed.getvalue().splitlines()] + ["", ""]
         flags = ", ".join(row for row in rows if row.startswith("--")) or "--help"
-        raise ended if not ended.code else UsageError(f"{' '.join(rows[1:rows.index('', 1)])} (see {flags})")
+        argv = options.get("args")
+        argv = sys.argv[1:] if argv is None else argv
+        switches = [f"; {flag} is a switch: {flag} or --no-{flag[2:]}, no value" for flag, value
+                    in zip(argv, argv[1:]) if flag.startswith("--") and value.lower() in ("true", "false")]
+        message = f"{' '.join(rows[1:rows.index('', 1)])} (see {flags})"
+        raise UsageError(message + "".join(switches[:1])) from None
 
 
 def parse_command_line(args_class: type, doc: str, argv: list[str] | None = None):
     """An `args_class` of the flags, each number in its range; with --resume, the run's saved flags overridden
     by those given. `doc`: the script's docstring, whose first two paragraphs open --help."""
     setting = ("Set VLLM_BATCH_INVARIANT=1 in the environment: vLLM reads it at import, and without it the "
-               "logprobs cannot be bitwise equal.")
+               "logprobs cannot be bitwise equal. A run needs an NVIDIA GPU (one a process under torchrun).")
     about, setting = (textwrap.fill(" ".join(text.split()), 78, initial_indent="  ", subsequent_indent="  ")
                       for text in (doc.split("\n\n")[0], setting))
     options = dict(args=argv, config=(tyro.conf.OmitArgPrefixes, tyro.conf.DisallowNone),
@@ -158,6 +169,9 @@ def check_output(run) -> None:
     if not re.fullmatch(r"[\w.-]+", run.run_name) or run.run_name in (".", ".."):
         raise UsageError(f"--run-name {run.run_name!r}: give a plain name (letters, digits, '.', '-', '_'): "
                          "it names the folders runs/<name> and <output-dir>/<name>")
+    if len(run.run_name.encode()) > 200:  # a folder's name: 255 bytes at most, and a save's adds a suffix
+        raise UsageError(f"--run-name: {len(run.run_name.encode())} bytes; give at most 200 (it names the "
+                         "folders runs/<name> and <output-dir>/<name>)")
     for root, what in ((Path(run.output_dir), "--output-dir"), (Path("runs"), "TensorBoard's runs/")):
         existing = existing_parent(root)
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
@@ -170,6 +184,9 @@ def check_output(run) -> None:
 def check_args(args, world_size: int):
     """Fails on flags that contradict each other, the environment or the output paths (each number's range is
     checked as it is parsed); sets the run name (a timestamp) and warm-up <= steps."""
+    hub = {name: None for name in ("dataset", "eval_dataset") if getattr(args.data, name) == GSM8K}
+    if hub:  # the default's own hub id, given: the hub's GSM8K, as by default
+        args = dataclasses.replace(args, data=dataclasses.replace(args.data, **hub))
     data, sampling, loss, optimizer, engine, run = (args.data, args.sampling, args.loss, args.optimizer,
                                                      args.engine, args.run)
     invariant = os.environ.get("VLLM_BATCH_INVARIANT")
@@ -248,6 +265,10 @@ def read_config(model_dir: Path) -> dict:
     for key in keys:
         if not isinstance(config[key], (int, float)) or isinstance(config[key], bool) or not config[key] > 0:
             raise UsageError(f"{path}: {key} is {config[key]!r}; it must be a number > 0")
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise UsageError(f"{path}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
+                         f"num_key_value_heads {config['num_key_value_heads']} (each KV head serves a group "
+                         "of query heads)")
     rope = rope_parameters(config)
     unsupported = {"hidden_act": config.get("hidden_act", "silu") != "silu",
                    "attention_bias": bool(config.get("attention_bias", False)),
@@ -259,6 +280,26 @@ def read_config(model_dir: Path) -> dict:
     return config
 
 
+def checkpoint_shapes(config: dict) -> dict[str, tuple]:
+    """The tensors a Hugging Face Qwen3 checkpoint of this (checked) config.json holds, by name, and their
+    shapes: worked out without torch, so that the weights are checked at once (tests/test_model.py holds them
+    against the trainer's own `hf_weights`)."""
+    d, v, f = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    h, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or d // h
+    layer = {"self_attn.q_proj.weight": (h * hd, d), "self_attn.k_proj.weight": (kv * hd, d),
+             "self_attn.v_proj.weight": (kv * hd, d), "self_attn.o_proj.weight": (d, h * hd),
+             "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+             "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
+             "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    shapes |= {f"model.layers.{i}.{name}": dims for i in range(config["num_hidden_layers"])
+               for name, dims in layer.items()}
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
 class ModelShape(NamedTuple):
     """What the checks and the memory plan count of a model, without building it (simple_rl.model_shape)."""
     args: object  # torchtitan's Qwen3ModelArgs: the config's sizes
@@ -266,23 +307,34 @@ class ModelShape(NamedTuple):
     checkpoint: dict[str, tuple]  # the Hugging Face checkpoint's tensors' shapes, by name
 
 
-def check_checkpoint(model_dir: Path, shape: ModelShape, source: str = "--model") -> None:
+def check_checkpoint(model_dir: Path, config: dict, source: str = "--model") -> None:
     """Its weights' names, shapes and dtype against config.json (`source`: the flag that named it)."""
     from safetensors import SafetensorError, safe_open  # headers only: fail before anything slow starts
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise UsageError(f"{source} {model_dir}: no *.safetensors weights in the directory")
+    index = model_dir / "model.safetensors.index.json"  # a sharded checkpoint's: which file holds what
+    if index.is_file():
+        try:
+            named = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise UsageError(f"{source} {model_dir}: {index.name} is broken; download or save it "
+                             "again") from None
+        missing = sorted(named - {f.name for f in files})
+        if missing:
+            raise UsageError(f"{source} {model_dir}: {missing[0]} is missing ({index.name} names it among "
+                             f"{len(named)} files); download or copy it again")
     found = {}  # name -> (shape, dtype)
     for f in files:
         try:
-            with safe_open(f, "pt") as weights:
+            with safe_open(f, "numpy") as weights:  # the header is all that is read: no torch needed
                 found |= {name: (tuple(weights.get_slice(name).get_shape()),
                                  weights.get_slice(name).get_dtype()) for name in weights.keys()}
         except SafetensorError as e:
             raise UsageError(f"{source} {model_dir}: {f.name} is not a whole safetensors file ({e}); "
                              "download or save it again") from None
-    expected = shape.checkpoint
-    if shape.args.enable_weight_tying:
+    expected = checkpoint_shapes(config)
+    if config.get("tie_word_embeddings", False):
         found.pop("lm_head.weight", None)  # some tied checkpoints store the head too; it is the embedding
     problems = [f"missing {name}" for name in sorted(expected.keys() - found.keys())]
     problems += [f"unexpected {name}" for name in sorted(found.keys() - expected.keys())]
@@ -298,14 +350,22 @@ def check_checkpoint(model_dir: Path, shape: ModelShape, source: str = "--model"
                          "weights: save the checkpoint in bfloat16")
 
 
-def check_training_state(checkpoint: Path) -> None:
-    """--resume: DCP's index of the training state, every file it names as long as it says, parity.json; a
-    checkpoint copied in part fails here, not in `dcp.load` once vLLM has started."""
+def check_training_state(checkpoint: Path, shape: ModelShape) -> None:
+    """--resume: DCP's index of the training state, every file it names as long as it says, parity.json, and
+    the state's parameters those of `shape`; a checkpoint copied in part, or another model's state, fails
+    here, not in `dcp.load` once vLLM has started."""
     import torch.distributed.checkpoint as dcp
     state, problem = checkpoint / TRAINING_STATE, None
     try:
-        ends = {}
-        for item in dcp.FileSystemReader(state).read_metadata().storage_data.values():
+        ends, metadata = {}, dcp.FileSystemReader(state).read_metadata()
+        saved = {key.removeprefix("masters."): tuple(item.size)
+                 for key, item in metadata.state_dict_metadata.items() if key.startswith("masters.")}
+        differ = sorted(saved.keys() ^ shape.parameters.keys()) or sorted(
+            name for name in saved if saved[name] != shape.parameters[name])
+        if differ:
+            problem = (f"it is another model's: {len(differ)} parameter(s) differ from config.json's, "
+                       f"{differ[0]} first")
+        for item in metadata.storage_data.values():
             ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
         for name, end in sorted(ends.items()):
             size = (state / name).stat().st_size if (state / name).is_file() else None
@@ -323,53 +383,64 @@ def check_training_state(checkpoint: Path) -> None:
 
 
 def load_gsm8k(split: str) -> list[dict]:
-    """[{question, answer}] of openai/gsm8k 'main' from `datasets` (a local jsonl: `read_gsm8k_jsonl`)."""
+    """[{question, answer}] of openai/gsm8k 'main' from `datasets` (a local file: `read_gsm8k_file`)."""
     from datasets import load_dataset
-    return [{"question": r["question"], "answer": r["answer"]} for r in load_dataset("openai/gsm8k", "main",
-                                                                                     split=split)]
-
-
-def read_gsm8k_jsonl(path: str, answer_format: re.Pattern) -> list[dict]:
-    """[{question, answer}] of a local GSM8K-format jsonl, each line checked: an answer holds `answer_format`
-    (the reward's: GSM8K's '#### N')."""
-    if not Path(path).is_file():
-        raise UsageError(f"{path}: {'a directory' if Path(path).is_dir() else 'no such file'} (expected a "
-                         "GSM8K-format jsonl file)")
     try:
-        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # a BOM, as Windows editors write
-    except UnicodeDecodeError:
-        raise UsageError(f"{path}: not UTF-8 text (save the jsonl as UTF-8)") from None
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+        rows = load_dataset(GSM8K, "main", split=split)
+    except Exception as e:
+        raise UsageError(f"cannot load {GSM8K} from the hub ({type(e).__name__}): pass --dataset and "
+                         "--eval-dataset with local jsonl files") from e
+    return [{"question": r["question"], "answer": r["answer"]} for r in rows]
+
+
+def read_gsm8k_file(path: str, answer_format: re.Pattern, flag: str) -> list[dict]:
+    """[{question, answer}] of a local GSM8K-format jsonl (or parquet, the hub's format), each row checked: an
+    answer holds `answer_format` (the reward's: GSM8K's '#### N'). `flag` names where the path came from."""
+    if not Path(path).is_file():
+        what = "a directory" if Path(path).is_dir() else "no such file"
+        raise UsageError(f"{flag} {path}: {what} (expected a GSM8K-format jsonl file)")
+    with open(path, "rb") as f:
+        parquet = f.read(4) == b"PAR1"
+    if parquet:  # through `datasets`, as the hub's own copy of GSM8K is stored
+        from datasets import load_dataset
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"{path} line {n}: not valid JSON") from None
+            rows = list(load_dataset("parquet", data_files=path, split="train"))
+        except Exception as e:
+            raise UsageError(f"{flag} {path}: not a readable parquet file ({type(e).__name__})") from None
+        where = "row"
+    else:
+        rows, where = [], "line"
+        for n, raw in enumerate(Path(path).read_bytes().splitlines(), 1):
+            try:  # a BOM on the first line, as Windows editors write
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError:
+                raise UsageError(f"{flag} {path} line {n}: not UTF-8 text (save the jsonl as "
+                                 "UTF-8)") from None
+            try:
+                rows.append(json.loads(line) if line.strip() else None)
+            except json.JSONDecodeError:
+                raise UsageError(f"{flag} {path} line {n}: not valid JSON") from None
+    checked = []
+    for n, row in enumerate(rows, 1):
+        if row is None:
+            continue
         if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))):
-            raise UsageError(f"{path} line {n}: need a JSON object with string fields 'question', 'answer'")
+            raise UsageError(f"{flag} {path} {where} {n}: need a JSON object with string fields 'question', "
+                             "'answer'")
         # GSM8K's answers end in '#### N': a bare last number would be a guess at the answer.
         if not answer_format.search(row["answer"]):
-            raise UsageError(f"{path} line {n}: the answer does not end in '#### N' with N a number "
-                             "(GSM8K's format)")
-        rows.append({"question": row["question"], "answer": row["answer"]})
-    if not rows:
-        raise UsageError(f"{path}: no examples")
-    return rows
+            raise UsageError(f"{flag} {path} {where} {n}: the answer does not end in '#### N' with N a "
+                             "number (GSM8K's format)")
+        checked.append({"question": row["question"], "answer": row["answer"]})
+    if not checked:
+        raise UsageError(f"{flag} {path}: no examples")
+    return checked
 
 
-def encoded_split(path: str | None, split: str, name: str, encode: Callable, answer_format: re.Pattern,
-                  data) -> list[dict]:
-    """A split's questions tokenised by `encode`, saying how many prompts were too long."""
-    if path is None:
-        try:
-            rows = load_gsm8k(split)
-        except Exception as e:
-            raise UsageError(f"cannot load openai/gsm8k from the hub ({type(e).__name__}): pass --dataset "
-                             "and --eval-dataset with local jsonl files") from e
-    else:
-        rows = read_gsm8k_jsonl(path, answer_format)
+def encoded_split(rows: list[dict] | None, split: str, name: str, encode: Callable, data) -> list[dict]:
+    """A split's questions (`rows`, or the hub's GSM8K if None) tokenised by `encode`, saying how many
+    prompts were too long."""
+    rows = load_gsm8k(split) if rows is None else rows
     kept = encode(rows)
     if not kept:
         raise UsageError(f"{name}: every prompt exceeds --max-prompt-tokens {data.max_prompt_tokens}")
@@ -380,7 +451,16 @@ def encoded_split(path: str | None, split: str, name: str, encode: Callable, ans
 
 
 def resolve_model_dir(model: str) -> Path:
+    """--model's checkpoint directory: a local one (the hub cache's folder of a model: its snapshot), or a
+    hub id's, downloaded."""
     path = Path(model)
+    if path.is_dir() and not (path / "config.json").is_file() and (path / "snapshots").is_dir():
+        ref = path / "refs" / "main"  # the hub cache: models--Org--Name/snapshots/<commit>/
+        snapshots = sorted((path / "snapshots").iterdir())
+        if ref.is_file() and (path / "snapshots" / ref.read_text().strip()).is_dir():
+            return resolve_model_dir(str(path / "snapshots" / ref.read_text().strip()))
+        if len(snapshots) == 1:
+            return resolve_model_dir(str(snapshots[0]))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UsageError(f"--model {model}: the directory has no config.json (need a Hugging Face Qwen3 "
@@ -396,8 +476,8 @@ def resolve_model_dir(model: str) -> Path:
                          "local checkpoint directory") from e
 
 
-def end_of_sequence_ids(tokenizer, model_dir: Path) -> list[int]:
-    eos = read_config(model_dir).get("eos_token_id")
+def end_of_sequence_ids(tokenizer, config: dict, model_dir: Path) -> list[int]:
+    eos = config.get("eos_token_id")
     ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
     if not ids:
         raise UsageError(f"{model_dir}: neither the tokenizer nor config.json names an end-of-sequence token")
@@ -415,10 +495,10 @@ def checkpoint_bytes(args, parameters: int) -> int:
     return parameters * (18 if args.loss.kl_coef else 16)
 
 
-def check_disk(args, shape: ModelShape) -> None:
+def check_disk(args, parameters: int) -> None:
     """A save writes the new checkpoint before it removes the oldest: --keep-last + 1 of them at once.
     Refuses a run whose first checkpoint cannot fit; warns of one whose later ones will not."""
-    one, root = checkpoint_bytes(args, parameter_counts(shape)[0]), Path(args.run.output_dir)
+    one, root = checkpoint_bytes(args, parameters), Path(args.run.output_dir)
     saves = args.optimizer.steps // args.run.save_every + 1 if args.run.save_every else 1
     most = one * min(saves, args.run.keep_last + 1 if args.run.keep_last else saves)
     free = shutil.disk_usage(existing_parent(root)).free
@@ -428,6 +508,67 @@ def check_disk(args, shape: ModelShape) -> None:
     if free < most:
         print(f"warning: {root} has {in_units(free)} free; the run's checkpoints take up to {in_units(most)} "
               "at once (--keep-last + 1): a later save will fail")
+
+
+BITWISE_HEAD_DIMS = (128, 256)
+"""Head sizes where vLLM's attention is bitwise the trainer's at any length (tests/test_gpu_configs.py)"""
+
+
+def check_bitwise_head_dim(head_dim: int, longest: int, model_dir) -> None:
+    """vLLM 0.20's FlashAttention 3 sizes key tiles by head size and causality, and runs a decode-only step
+    as non-causal: at head_dim 64 it sums keys in tiles of 192 where a prefill (and the trainer) uses 128,
+    so decode rows part at layer 0's attention unless a sequence fits one tile (<= 128 tokens). Other
+    head sizes are untested."""
+    if head_dim in BITWISE_HEAD_DIMS or (head_dim == 64 and longest <= 128):
+        return
+    raise UsageError(f"--model {model_dir}: head_dim is {head_dim}; vLLM's attention is bitwise the "
+                     "trainer's only at head_dim 128 or 256, or 64 with sequences of at most 128 tokens "
+                     f"(here --max-prompt-tokens + --max-new-tokens = {longest})")
+
+
+@dataclass
+class Files:
+    """The run's files, read and checked before torch loads (seconds): a bad flag or file answers at once."""
+    model_dir: Path  # the checkpoint both sides load: --model, or the one --resume continues from
+    config: dict  # its config.json
+    start_step: int  # GRPO steps already made: 0, or the resumed checkpoint's step
+    train_rows: list[dict] | None  # --dataset's questions; None: the hub's GSM8K, loaded with the tokenizer
+    eval_rows: list[dict] | None  # --eval-dataset's, likewise; [] without evaluations
+
+
+def read_files(args, answer_format: re.Pattern) -> Files:
+    """Every file the run reads, checked without torch: the checkpoint's config.json and its weights' names,
+    shapes and dtype (headers only), the disk for the checkpoints, the local datasets (each answer holds
+    `answer_format`). A path from --resume's checkpoint says so."""
+    from importlib.metadata import version
+    if version("vllm") != "0.20.0":
+        raise UsageError(f"vLLM {version('vllm')} is installed; this script mirrors vLLM 0.20.0's kernels: "
+                         "pip install vllm==0.20.0")
+    resume = args.run.resume
+    model_dir = Path(resume) if resume else resolve_model_dir(args.data.model)
+    config = read_config(model_dir)
+    longest = args.data.max_prompt_tokens + args.sampling.max_new_tokens
+    if longest > config["max_position_embeddings"]:
+        raise UsageError(f"--max-prompt-tokens + --max-new-tokens = {longest}, but the model has "
+                         f"{config['max_position_embeddings']} positions ({model_dir}/config.json: "
+                         "max_position_embeddings)")
+    check_bitwise_head_dim(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                           longest, model_dir)
+    if args.sampling.top_k > config["vocab_size"]:
+        raise UsageError(f"--top-k {args.sampling.top_k} is more than the vocabulary's "
+                         f"{config['vocab_size']} tokens (0 keeps them all)")
+    check_checkpoint(model_dir, config, "--resume" if resume else "--model")  # named as the flag did
+    if args.run.save_every >= 0:
+        check_disk(args, sum(math.prod(dims) for dims in checkpoint_shapes(config).values()))
+    saved = " (the run's, saved in its checkpoint)" if resume else ""  # --dataset may not change on resume
+    train = None if args.data.dataset is None else read_gsm8k_file(args.data.dataset, answer_format,
+                                                                   "--dataset" + saved)
+    if train is not None and args.sampling.prompts_per_step > len(train):
+        raise UsageError(f"--prompts-per-step {args.sampling.prompts_per_step} is more than the train set's "
+                         f"{len(train)} questions")
+    evaluation = [] if not args.run.eval_every else None if args.data.eval_dataset is None else (
+        read_gsm8k_file(args.data.eval_dataset, answer_format, "--eval-dataset"))
+    return Files(model_dir, config, saved_run(model_dir, type(args))[1] if resume else 0, train, evaluation)
 
 
 @dataclass
@@ -442,57 +583,39 @@ class Inputs:
     eval_rows: list[dict]
 
 
-def load_inputs(args, shape_of: Callable[[dict], ModelShape], encode_dataset: Callable,
-                answer_format: re.Pattern) -> Inputs:
-    """Every input, checked: the model's files (`shape_of` its config.json), the tokenizer, the datasets
-    (each encoded by `encode_dataset(rows, tokenizer, data)`; a local one's answers hold `answer_format`)."""
-    from importlib.metadata import version
+def load_inputs(args, files: Files, shape_of: Callable[[dict], ModelShape],
+                encode_dataset: Callable) -> Inputs:
+    """The inputs that need torch, transformers or the hub, checked: the model's shape (`shape_of` its
+    config.json) against a resumed training state, the tokenizer, the datasets encoded by
+    `encode_dataset(rows, tokenizer, data)`."""
     from transformers import AutoTokenizer
-    if version("vllm") != "0.20.0":
-        raise UsageError(f"vLLM {version('vllm')} is installed; this script mirrors vLLM 0.20.0's kernels: "
-                         "pip install vllm==0.20.0")
-    model_dir = Path(args.run.resume) if args.run.resume else resolve_model_dir(args.data.model)
-    shape = shape_of(read_config(model_dir))
-    model_args = shape.args
-    longest = args.data.max_prompt_tokens + args.sampling.max_new_tokens
-    if longest > model_args.max_seq_len:
-        raise UsageError(f"--max-prompt-tokens + --max-new-tokens = {longest}, but the model has "
-                         f"{model_args.max_seq_len} positions ({model_dir}/config.json: "
-                         "max_position_embeddings)")
-    from batch_invariant_backward import check_bitwise_head_dim
-    try:
-        check_bitwise_head_dim(model_args.head_dim, longest, model_dir)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    source = "--resume" if args.run.resume else "--model"  # a checkpoint's weights are named as such
-    check_checkpoint(model_dir, shape, source)
+    model_dir, source = files.model_dir, "--resume" if args.run.resume else "--model"
+    shape = shape_of(files.config)
     if args.run.resume:
-        check_training_state(model_dir)
-    if args.run.save_every >= 0:
-        check_disk(args, shape)
+        check_training_state(model_dir, shape)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:
         raise UsageError(f"{source} {model_dir}: cannot load its tokenizer ({type(e).__name__}: "
                          f"{str(e).splitlines()[0]})") from e
-    if not 1 < len(tokenizer) <= model_args.vocab_size:  # transformers makes a 1-token one with no files
+    vocabulary = files.config["vocab_size"]
+    if not 1 < len(tokenizer) <= vocabulary:  # transformers makes a 1-token one with no files
         raise UsageError(f"{source} {model_dir}: its tokenizer has {len(tokenizer)} token(s) for a "
-                         f"vocabulary of {model_args.vocab_size} (its files missing, or another model's)")
+                         f"vocabulary of {vocabulary} (its files missing, or another model's)")
     if args.data.prompt_format == "chat" and tokenizer.chat_template is None:
         raise UsageError("--prompt-format chat: this tokenizer has no chat template; use plain or auto")
-    if args.sampling.top_k > model_args.vocab_size:
-        raise UsageError(f"--top-k {args.sampling.top_k} is more than the vocabulary's "
-                         f"{model_args.vocab_size} tokens (0 keeps them all)")
-    def encoded(path: str | None, split: str, name: str) -> list[dict]:
-        return encoded_split(path, split, name, lambda rows: encode_dataset(rows, tokenizer, args.data),
-                             answer_format, args.data)
-    train_rows = encoded(args.data.dataset, "train", "train set")
+
+    def encoded(rows: list[dict] | None, split: str, name: str) -> list[dict]:
+        return encoded_split(rows, split, name, lambda rows: encode_dataset(rows, tokenizer, args.data),
+                             args.data)
+    train_rows = encoded(files.train_rows, "train", "train set")
     if args.sampling.prompts_per_step > len(train_rows):
         raise UsageError(f"--prompts-per-step {args.sampling.prompts_per_step} is more than the train set's "
                          f"{len(train_rows)} questions")
-    eval_rows = encoded(args.data.eval_dataset, "test", "eval set") if args.run.eval_every else []
-    return Inputs(model_dir, shape, saved_run(model_dir, type(args))[1] if args.run.resume else 0, tokenizer,
-                  end_of_sequence_ids(tokenizer, model_dir), train_rows, eval_rows[: args.run.eval_samples])
+    eval_rows = encoded(files.eval_rows, "test", "eval set") if args.run.eval_every else []
+    return Inputs(model_dir, shape, files.start_step, tokenizer,
+                  end_of_sequence_ids(tokenizer, files.config, model_dir), train_rows,
+                  eval_rows[: args.run.eval_samples])
 
 
 # ===== The memory plan: what each GPU holds, checked before vLLM starts =====

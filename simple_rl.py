@@ -45,17 +45,18 @@ import tyro
 from plumbing import (
     FIXED, CheckpointError, Checkpoints, ModelShape, UsageError, check_args, check_gpu_memory, default_is,
     exit_on, exit_on_full_disk, init_distributed, load_inputs, log_eval, log_line, log_parity, log_step,
-    log_to_file, open_tensorboard, parity_record, parse_command_line, progress_bar, restore_training_state,
-    shard_model, step_line, step_scalars, timed_phase, torchrun_rank_and_size, weight_deltas, write_whole)
+    log_to_file, open_tensorboard, parity_record, parse_command_line, progress_bar, read_files,
+    restore_training_state, shard_model, step_line, step_scalars, timed_phase, torchrun_rank_and_size,
+    weight_deltas, write_whole)
 
 # ===== Flags: every flag; a field's comment is its --help =====
 @dataclass
 class Data:
     """The model, the data and the seed."""
     model: Annotated[str, FIXED] = "Qwen/Qwen3-1.7B"  # Qwen3 hub id, or local directory (config, safetensors)
-    # local train jsonl (question, answer)
+    # local train jsonl or parquet (question, answer); pass --eval-dataset too, or --eval-every 0
     dataset: Annotated[str | None, FIXED, default_is("openai/gsm8k 'main' train, from the hub")] = None
-    eval_dataset: Annotated[str | None, default_is("openai/gsm8k 'main' test")] = None  # local test jsonl
+    eval_dataset: Annotated[str | None, default_is("openai/gsm8k 'main' test")] = None  # local test file
     # 'chat': the tokenizer's chat template; 'plain': 'Question: ...', then 'Answer:'; 'auto': chat if any
     prompt_format: Annotated[Literal["auto", "chat", "plain"], FIXED] = "auto"
     thinking: Annotated[bool, FIXED] = False  # let Qwen3's chat template open a <think> block (long answers)
@@ -66,7 +67,7 @@ class Data:
 @dataclass
 class Sampling:
     """What vLLM samples each step: the policy trained is the distribution it samples from."""
-    prompts_per_step: Annotated[int, FIXED] = 32  # GSM8K questions per step
+    prompts_per_step: Annotated[int, FIXED] = 32  # GSM8K questions per step (a multiple of torchrun's N)
     samples_per_prompt: Annotated[int, FIXED] = 8  # G: completions per question, advantages normalised over
     max_new_tokens: Annotated[int, FIXED] = 512  # completion length limit
     temperature: Annotated[float, FIXED] = 1.0  # the policy is softmax(logits / T), exact at any T
@@ -157,13 +158,68 @@ class Args:
     run: Annotated[Run, tyro.conf.arg(name="evaluation_and_checkpoints")] = field(default_factory=Run)
 
 
-if __name__ == "__main__":  # before torch and vLLM load (seconds): --help and a bad flag answer at once
+# ===== Data and reward =====
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+# A completion's answer: the first '#### N' (GSM8K's format), else the first '\boxed{N}', else its last
+# number; after a closed <think>, the one after it, else inside. Compared as decimals: '1,000' = '$1000.0'.
+ANSWER_AFTER_HASHES = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
+ANSWER_IN_BOX = re.compile(r"\\boxed\{\s*\$?\s*(-?[\d,]*\.?\d+)\s*\}")
+ANY_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+
+
+def extract_answer(text: str) -> str | None:
+    thoughts, closed, answer = text.rpartition("</think>")
+    if closed and (after := extract_answer(answer)) is not None:
+        return after
+    text = thoughts or text
+    for pattern in (ANSWER_AFTER_HASHES, ANSWER_IN_BOX):
+        if match := pattern.search(text):
+            return match.group(1)
+    numbers = ANY_NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def parse_number(text: str | None) -> Decimal | None:
     try:
-        COMMAND_LINE = parse_command_line(Args, __doc__)
+        return None if text is None else Decimal(text.replace(",", "").rstrip("."))
+    except InvalidOperation:
+        return None
+
+
+def gsm8k_reward(completion: str, reference_answer: str) -> float:
+    predicted, expected = (parse_number(extract_answer(text)) for text in (completion, reference_answer))
+    return float(predicted is not None and expected is not None and predicted == expected)
+
+
+def encode_prompt(tokenizer, question: str, use_chat: bool, thinking: bool) -> list[int]:
+    content = f"{question}\n{INSTRUCTION}"
+    if not use_chat:
+        return tokenizer.encode(f"Question: {content}\nAnswer:")
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False, enable_thinking=thinking)
+
+
+def encode_dataset(rows, tokenizer, data: Data) -> list[dict]:
+    """Tokenise every question once; prompts over --max-prompt-tokens are skipped, never cut."""
+    use_chat = data.prompt_format != "plain" and tokenizer.chat_template is not None
+    encoded = [dict(r, prompt_ids=encode_prompt(tokenizer, r["question"], use_chat, data.thinking))
+               for r in rows]
+    return [r for r in encoded if len(r["prompt_ids"]) <= data.max_prompt_tokens]
+
+
+def step_rows(rows: list[dict], order: list[int], step: int, n: int) -> list[dict]:
+    return [rows[order[(step * n + i) % len(order)]] for i in range(n)]
+
+
+# Before torch and vLLM load (seconds): --help, a bad flag or a bad file answer at once.
+if __name__ == "__main__":
+    try:
+        COMMAND_LINE = check_args(parse_command_line(Args, __doc__), torchrun_rank_and_size()[1])
+        FILES = read_files(COMMAND_LINE, ANSWER_AFTER_HASHES)
     except UsageError as e:
         exit_on(e, 2)
 
-import torch  # noqa: E402  (after the flags: see above)
+import torch  # noqa: E402  (after the flags and files are checked: see above)
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -222,59 +278,6 @@ class World:
 def rollout_seeds(seed: int, step: int, n: int) -> list[int]:
     """One sampling seed per request, unique over the run: completions depend on nothing else."""
     return [seed * 1_000_000_000 + step * n + j for j in range(n)]
-
-
-# ===== Data and reward =====
-INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-# A completion's answer: the first '#### N' (GSM8K's format), else the first '\boxed{N}', else its last
-# number; after a closed <think>, the one after it, else inside. Compared as decimals: '1,000' = '$1000.0'.
-ANSWER_AFTER_HASHES = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
-ANSWER_IN_BOX = re.compile(r"\\boxed\{\s*\$?\s*(-?[\d,]*\.?\d+)\s*\}")
-ANY_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
-
-
-def extract_answer(text: str) -> str | None:
-    thoughts, closed, answer = text.rpartition("</think>")
-    if closed and (after := extract_answer(answer)) is not None:
-        return after
-    text = thoughts or text
-    for pattern in (ANSWER_AFTER_HASHES, ANSWER_IN_BOX):
-        if match := pattern.search(text):
-            return match.group(1)
-    numbers = ANY_NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def parse_number(text: str | None) -> Decimal | None:
-    try:
-        return None if text is None else Decimal(text.replace(",", "").rstrip("."))
-    except InvalidOperation:
-        return None
-
-
-def gsm8k_reward(completion: str, reference_answer: str) -> float:
-    predicted, expected = (parse_number(extract_answer(text)) for text in (completion, reference_answer))
-    return float(predicted is not None and expected is not None and predicted == expected)
-
-
-def encode_prompt(tokenizer, question: str, use_chat: bool, thinking: bool) -> list[int]:
-    content = f"{question}\n{INSTRUCTION}"
-    if not use_chat:
-        return tokenizer.encode(f"Question: {content}\nAnswer:")
-    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False, enable_thinking=thinking)
-
-
-def encode_dataset(rows, tokenizer, data: Data) -> list[dict]:
-    """Tokenise every question once; prompts over --max-prompt-tokens are skipped, never cut."""
-    use_chat = data.prompt_format != "plain" and tokenizer.chat_template is not None
-    encoded = [dict(r, prompt_ids=encode_prompt(tokenizer, r["question"], use_chat, data.thinking))
-               for r in rows]
-    return [r for r in encoded if len(r["prompt_ids"]) <= data.max_prompt_tokens]
-
-
-def step_rows(rows: list[dict], order: list[int], step: int, n: int) -> list[dict]:
-    return [rows[order[(step * n + i) % len(order)]] for i in range(n)]
 
 
 # ===== Model: Qwen3 on vLLM's kernels, over packed sequences =====
@@ -1089,11 +1092,14 @@ def grpo(args: Args, engine, model: Qwen3, ref_model, inputs, order: list[int], 
         write_whole(Path(writer.log_dir) / "parity.json", record)
 
 
-def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool = False) -> Path:
-    """Train; returns runs/<run>. Tests give a CPU stand-in `engine_class`; the script runs `quiet`."""
-    args = check_args(args, torchrun_rank_and_size()[1])
-    inputs = load_inputs(args, lambda config: model_shape(model_args_from_hf_config(config)), encode_dataset,
-                         ANSWER_AFTER_HASHES)
+def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool = False, files=None) -> Path:
+    """Train; returns runs/<run>. Tests give a CPU stand-in `engine_class`; the script runs `quiet`, with its
+    flags and `files` checked before torch loaded."""
+    if files is None:
+        args = check_args(args, torchrun_rank_and_size()[1])
+        files = read_files(args, ANSWER_AFTER_HASHES)
+    inputs = load_inputs(args, files, lambda config: model_shape(model_args_from_hf_config(config)),
+                         encode_dataset)
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
     world = World(*init_distributed(device))
@@ -1150,4 +1156,4 @@ def run_as_script(args: Args, **stand_ins) -> None:
 
 
 if __name__ == "__main__":
-    run_as_script(COMMAND_LINE)
+    run_as_script(COMMAND_LINE, files=FILES)

@@ -130,3 +130,17 @@ def test_the_decode_table_gives_the_ratio_of_whichever_exact_sides_ran(monkeypat
     assert "exact / standard at 256: 1.25x\n" in out and "    3.00 (2.90-3.40)    8.00 (7.90-8.10)" in out
     bench.decode_benchmark(SimpleNamespace(**vars(args), decode=None))
     assert "exact / standard at 256: 1.25x (with vLLM's tiles: 1.50x)" in capsys.readouterr().out
+
+
+def test_the_standard_side_pads_consecutive_samples_within_the_budget():
+    """The standard trainer's micro-batches: consecutive samples right-padded to the longest, at most the
+    budget's tokens with the padding, and each completion token read from the row before it."""
+    prompts, completions = [[1, 2], [3], [4, 5, 6], [7]], [[8, 9], [10, 11, 12], [], [13]]
+    batches = list(bench.padded_micro_batches(prompts, completions, token_budget=8))
+    assert [(first, end) for first, end, *_ in batches] == [(0, 2), (2, 4)]
+    first, end, ids, mask, rows, targets = batches[0]
+    assert ids.tolist() == [[1, 2, 8, 9], [3, 10, 11, 12]] and mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    assert rows == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2)] and targets == [8, 9, 10, 11, 12]
+    _, _, ids, mask, rows, targets = batches[1]
+    assert ids.tolist() == [[4, 5, 6], [7, 13, 0]] and mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert rows == [(1, 0)] and targets == [13]

@@ -12,6 +12,7 @@ from conftest import qwen3_config, start_engine, write_checkpoint
 from test_gpu import count_mismatches, sample, trainer_logprobs
 
 import batch_invariant_backward
+import plumbing
 import simple_rl
 
 pytestmark = pytest.mark.gpu
@@ -56,9 +57,9 @@ def test_parity_holds_for_every_configuration(name, tmp_path):
     longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
     if name in REFUSED:
         assert mismatched > 0, "the bits agree: the refusal is no longer needed"
-        with pytest.raises(ValueError, match="head_dim is 64; "):
-            batch_invariant_backward.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
+        with pytest.raises(plumbing.UsageError, match="head_dim is 64; "):
+            plumbing.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
     else:
-        batch_invariant_backward.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
+        plumbing.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
         assert mismatched == 0
 

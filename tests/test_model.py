@@ -145,7 +145,18 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
     cfg["num_hidden_layers"] = 3
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(plumbing.UsageError, match="the weights do not match config.json"):
-        plumbing.check_checkpoint(ckpt, simple_rl.model_shape(simple_rl.model_args_from_hf_config(cfg)))
+        plumbing.check_checkpoint(ckpt, cfg)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_checkpoint_checks_expect_the_tensors_the_trainer_writes(tie):
+    """plumbing.checkpoint_shapes works out a checkpoint's tensors from config.json without torch (so that
+    the weights are checked before it loads): the names and shapes the trainer's own hf_weights writes."""
+    config = qwen3_config(hidden=64, layers=3, heads=4, kv_heads=2, head_dim=32, intermediate=96, vocab=300,
+                          tie=tie)
+    with torch.device("meta"):
+        model = simple_rl.Qwen3(simple_rl.model_args_from_hf_config(config))
+    assert plumbing.checkpoint_shapes(config) == {name: tuple(t.shape) for name, t in simple_rl.hf_weights(model)}
 
 
 def test_packing_lays_sequences_back_to_back_and_reads_each_completion_token_a_row_early():

@@ -76,7 +76,7 @@ def test_chat_prompts_are_what_qwen3s_template_renders(tmp_path, thinking):
     tokens = tokenizer.convert_ids_to_tokens(ids)  # the markers are single tokens, not spelled out
     assert tokens.count("<|im_start|>") == 2 and tokens.count("<|im_end|>") == 1
     assert tokens.count("<think>") == tokens.count("</think>") == (0 if thinking else 1)
-    stop_ids = plumbing.end_of_sequence_ids(tokenizer, model_dir)  # <|im_end|> (tokenizer) and <|endoftext|>
+    stop_ids = plumbing.end_of_sequence_ids(tokenizer, plumbing.read_config(model_dir), model_dir)  # <|im_end|> (tokenizer) and <|endoftext|>
     assert set(tokenizer.convert_ids_to_tokens(stop_ids)) == {"<|im_end|>", "<|endoftext|>"}
 
 
@@ -368,15 +368,88 @@ def test_bad_files_give_one_line_errors(tmp_path):
              (missing_field, "line 2: need a JSON object"), (no_number, "line 1: the answer does not end in '#### N'"),
              (no_hashes, "line 1: the answer does not end in '#### N'"), (words, "with N a number"),
              (tmp_path / "c.jsonl", "line 2: not valid JSON"), (tmp_path / "utf16.jsonl", "not UTF-8 text")]
+    # bytes that are no UTF-8 in the third line: the line is named
+    lines = good.read_bytes().splitlines()
+    (tmp_path / "latin1.jsonl").write_bytes(b"\n".join(lines[:2] + ["\u00e9".encode("latin-1") + lines[2]]))
+    cases.append((tmp_path / "latin1.jsonl", "line 3: not UTF-8 text"))
+
+    def read(path):
+        return plumbing.read_gsm8k_file(str(path), simple_rl.ANSWER_AFTER_HASHES, "--dataset")
     for path, message in cases:
         with pytest.raises(plumbing.UsageError, match=message) as error:
-            plumbing.read_gsm8k_jsonl(str(path), simple_rl.ANSWER_AFTER_HASHES)
-        assert str(path) in str(error.value)
-    assert plumbing.read_gsm8k_jsonl(str(good), simple_rl.ANSWER_AFTER_HASHES) == plumbing.read_gsm8k_jsonl(str(tmp_path / "bom.jsonl"), simple_rl.ANSWER_AFTER_HASHES)
-    assert len(plumbing.read_gsm8k_jsonl(str(good), simple_rl.ANSWER_AFTER_HASHES)) == 3
+            read(path)
+        assert str(path) in str(error.value) and str(error.value).startswith("--dataset ")
+    assert read(good) == read(tmp_path / "bom.jsonl")
+    assert len(read(good)) == 3
+    import pyarrow as pa  # the hub's own format for GSM8K: read through `datasets`
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(gsm8k_rows("test", 3)), tmp_path / "good.parquet")
+    assert read(tmp_path / "good.parquet") == read(good)
     err = one_line_error(run_script("--model", str(tmp_path / "no_model"), "--no-assert-bitwise",
                                     "--eval-every", "0", cwd=tmp_path))
     assert "--model" in err
+
+
+def test_files_are_checked_before_torch_loads(tmp_path):
+    """A bad file answers as a bad flag does, before torch (seconds) loads: config.json, the weights' headers
+    (a sharded checkpoint missing a shard names the file), the datasets, a run name too long for a folder;
+    a hub cache's folder of a model stands for its snapshot; switches given a value say so."""
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    bad_heads = tmp_path / "heads"
+    shutil.copytree(model_dir, bad_heads)
+    config = json.loads((model_dir / "config.json").read_text())
+    (bad_heads / "config.json").write_text(json.dumps(config | {"num_attention_heads": 4, "num_key_value_heads": 3}))
+    sharded = tmp_path / "sharded"
+    shutil.copytree(model_dir, sharded)
+    index = {"metadata": {}, "weight_map": {"model.norm.weight": "model.safetensors",
+                                           "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    cache = tmp_path / "models--Org--Name"  # as huggingface_hub lays a download out
+    shutil.copytree(model_dir, cache / "snapshots" / "abc123")
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text("abc123")
+    data = ["--dataset", str(gsm8k_jsonl("train")), "--eval-dataset", str(gsm8k_jsonl("test"))]
+    cases = [
+        (["--model", str(bad_heads), *data], "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+        (["--model", str(sharded), *data], "model-00002-of-00002.safetensors is missing (model.safetensors"),
+        (["--model", str(model_dir), "--dataset", str(tmp_path / "nope.jsonl"), "--eval-every", "0"],
+         f"--dataset {tmp_path / 'nope.jsonl'}: no such file"),
+        (["--model", str(model_dir), *data, "--run-name", "r" * 300], "--run-name: 300 bytes; give at most 200"),
+        (["--model", str(model_dir), *data, "--prompts-per-step", "100000"], "more than the train set's 400"),
+        (["--thinking", "true"], "Unrecognized options: true (see --help); --thinking is a switch: --thinking "
+                                 "or --no-thinking, no value"),
+    ]
+    for flags, message in cases:
+        result = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "simple_rl.py"), *flags],
+                                capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **ON}, timeout=120)
+        imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "import time:" in line}
+        errors = [line for line in result.stderr.splitlines() if "import time:" not in line]
+        assert result.returncode == 2 and len(errors) == 1 and message in errors[0], (flags, errors)
+        assert "torch" not in imported, flags
+    assert plumbing.resolve_model_dir(str(cache)) == cache / "snapshots" / "abc123"
+    hub = make_args(dataset="openai/gsm8k", eval_dataset="openai/gsm8k", run_name="hub")  # the default's id
+    assert plumbing.check_args(hub, 1).data == make_args().data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heads", "model", "models--Org--Name", "sharded"]
+
+
+def test_help_read_in_part_leaves_quietly(tmp_path):
+    """`--help | head -3`: the reader leaves early; no BrokenPipeError traceback."""
+    result = subprocess.run(f"{sys.executable} {REPO / 'simple_rl.py'} --help | head -3", shell=True,
+                            capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert len(result.stdout.splitlines()) == 3 and result.stderr == "", result.stderr
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_loads(tmp_path):
+    """--resume of a checkpoint whose training state is another model's: one line naming a parameter."""
+    checkpoints, _, _ = cpu_checkpoints(tmp_path, write_gsm8k_model(tmp_path / "model"))
+    checkpoints.save(1, {"tokens_checked": 0, "mismatched_tokens": 0})
+    checkpoints.wait()
+    checkpoint = tmp_path / "checkpoints" / "r" / "step_000001"
+    config = plumbing.read_config(checkpoint)
+    other = simple_rl.model_shape(simple_rl.model_args_from_hf_config(config | {"num_hidden_layers": 3}))
+    with pytest.raises(plumbing.UsageError, match=r"it is another model's: \d+ parameter\(s\) differ from "
+                                                  r"config.json's, layers\.2\."):
+        plumbing.check_training_state(checkpoint, other)
 
 
 def local_inputs(model_dir) -> list[str]:
@@ -494,9 +567,9 @@ def test_the_disk_is_checked_for_the_checkpoints_up_front(tmp_path, monkeypatch,
         monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, free))
         if outcome == "refused":
             with pytest.raises(plumbing.UsageError, match=r"MiB free, but a checkpoint of this model takes about"):
-                plumbing.check_disk(args, simple_rl.model_shape(model_args))
+                plumbing.check_disk(args, one // 16)
             continue
-        plumbing.check_disk(args, simple_rl.model_shape(model_args))
+        plumbing.check_disk(args, one // 16)
         out = capsys.readouterr().out
         assert ("a later save will fail" in out) == (outcome == "warned") and "0.0 GiB" not in out, free
 
@@ -548,14 +621,14 @@ def test_a_full_disk_at_a_save_is_one_line_and_keeps_the_run(tmp_path, monkeypat
 def test_head_sizes_whose_attention_vllm_computes_otherwise_are_refused():
     """FlashAttention 3 decodes with other key tiles than it prefills at head_dim 64 (measured on the GPU
     in tests/test_gpu_configs.py); a sequence within one 128-key tile is safe."""
-    for d in batch_invariant_backward.BITWISE_HEAD_DIMS:
-        batch_invariant_backward.check_bitwise_head_dim(d, 1024, Path("model"))
+    for d in plumbing.BITWISE_HEAD_DIMS:
+        plumbing.check_bitwise_head_dim(d, 1024, Path("model"))
     for d in (16, 64, 96, 192):
-        with pytest.raises(ValueError, match=f"head_dim is {d}; "):
-            batch_invariant_backward.check_bitwise_head_dim(d, 1024, Path("model"))
-    batch_invariant_backward.check_bitwise_head_dim(64, 128, Path("model"))
-    with pytest.raises(ValueError, match=r"--max-new-tokens = 129\)"):
-        batch_invariant_backward.check_bitwise_head_dim(64, 129, Path("model"))
+        with pytest.raises(plumbing.UsageError, match=f"head_dim is {d}; "):
+            plumbing.check_bitwise_head_dim(d, 1024, Path("model"))
+    plumbing.check_bitwise_head_dim(64, 128, Path("model"))
+    with pytest.raises(plumbing.UsageError, match=r"--max-new-tokens = 129\)"):
+        plumbing.check_bitwise_head_dim(64, 129, Path("model"))
 
 
 # The pieces of simple_rl.py that call into plumbing.py: the loop, main(), the error boundary, and the model's
@@ -1207,7 +1280,8 @@ def test_a_checkpoint_copied_in_part_is_one_line_before_anything_loads(tmp_path)
     checkpoints.save(1, {"tokens_checked": 0, "mismatched_tokens": 0})
     checkpoints.wait()
     state = tmp_path / "checkpoints" / "r" / "step_000001" / "training_state"
-    plumbing.check_training_state(state.parent)  # whole: passes
+    shape = simple_rl.model_shape(simple_rl.model_args_from_hf_config(plumbing.read_config(state.parent)))
+    plumbing.check_training_state(state.parent, shape)  # whole: passes
     shard = next(state.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-1])
     error = one_line_error(run_script("--resume", str(state.parent), env_update=ON, cwd=tmp_path))
@@ -1218,15 +1292,15 @@ def test_a_checkpoint_copied_in_part_is_one_line_before_anything_loads(tmp_path)
     index = (state / ".metadata").read_bytes()
     (state / ".metadata").unlink()
     with pytest.raises(plumbing.UsageError, match=r"broken \(FileNotFoundError: .*\.metadata'\)"):
-        plumbing.check_training_state(state.parent)
+        plumbing.check_training_state(state.parent, shape)
     (state / ".metadata").write_bytes(index)
-    plumbing.check_training_state(state.parent)
+    plumbing.check_training_state(state.parent, shape)
     (state / "parity.json").write_text('{"stack": {}}')
     with pytest.raises(plumbing.UsageError, match=r"\(parity.json lacks mismatched_tokens, tokens_checked\)"):
-        plumbing.check_training_state(state.parent)
+        plumbing.check_training_state(state.parent, shape)
     (state / "parity.json").write_text("{")
     with pytest.raises(plumbing.UsageError, match=r"broken \(JSONDecodeError: "):
-        plumbing.check_training_state(state.parent)
+        plumbing.check_training_state(state.parent, shape)
 
 
 def test_a_run_stopped_by_an_error_first_finishes_the_save_under_way(tmp_path, monkeypatch):
@@ -1332,8 +1406,9 @@ def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeyp
     saved = AutoTokenizer.from_pretrained(tmp_path / "checkpoints" / "chat" / "step_000001")
     assert saved.chat_template == QWEN3_CHAT_TEMPLATE and len(saved) == len(AutoTokenizer.from_pretrained(model_dir))
 
-    inputs = plumbing.load_inputs(args, lambda config: simple_rl.model_shape(simple_rl.model_args_from_hf_config(config)),
-                                   simple_rl.encode_dataset, simple_rl.ANSWER_AFTER_HASHES)
+    files = plumbing.read_files(args, simple_rl.ANSWER_AFTER_HASHES)
+    inputs = plumbing.load_inputs(args, files, lambda config: simple_rl.model_shape(simple_rl.model_args_from_hf_config(config)),
+                                  simple_rl.encode_dataset)
     order = list(range(len(inputs.train_rows)))
     simple_rl.warm_start(simple_rl.load_qwen3(model_dir, "cpu"), inputs, order, args, simple_rl.World())
     assert all(r["answer_ids"][-1] == im_end for r in inputs.train_rows)
