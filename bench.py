@@ -399,13 +399,14 @@ def profile_train_phase(step, i: int) -> None:
     script's own functions, each in a range of its name) its wall time against the GPU time of the kernels it
     launched, what the GPU was busy with in all, and the kernels that took the most of it."""
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def start() -> None:  # after generation; stopped once the GPU ran what the step launched
+        prof.__enter__()
+        stack.callback(lambda: (torch.cuda.synchronize(), prof.__exit__(None, None, None)))
     with contextlib.ExitStack() as stack:
         for name, (owner, attribute) in step.parts.items():
             stack.enter_context(in_range(owner, attribute, name))
-        stack.callback(prof.__exit__, None, None, None)
-        # first: the profiler stops once the GPU ran what the step launched
-        stack.callback(torch.cuda.synchronize)
-        times, _ = step(i, after_sample=prof.__enter__)
+        times, _ = step(i, after_sample=start)
     events, cpu, gpu = prof.key_averages(), torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     # a part's range shows on the CPU (its wall time) and, as an annotation, on the GPU's timeline too
     parts = {e.key: e for e in events if e.device_type == cpu and e.key in step.parts}

@@ -184,9 +184,10 @@ def check_output(run) -> None:
 def check_args(args, world_size: int):
     """Fails on flags that contradict each other, the environment or the output paths (each number's range is
     checked as it is parsed); sets the run name (a timestamp) and warm-up <= steps."""
-    hub = {name: None for name in ("dataset", "eval_dataset") if getattr(args.data, name) == GSM8K}
+    given = args.data
+    hub = {name: None for name in ("dataset", "eval_dataset") if getattr(given, name) == GSM8K}
     if hub:  # the default's own hub id, given: the hub's GSM8K, as by default
-        args = dataclasses.replace(args, data=dataclasses.replace(args.data, **hub))
+        args = dataclasses.replace(args, data=dataclasses.replace(given, **hub))
     data, sampling, loss, optimizer, engine, run = (args.data, args.sampling, args.loss, args.optimizer,
                                                      args.engine, args.run)
     invariant = os.environ.get("VLLM_BATCH_INVARIANT")
@@ -214,7 +215,7 @@ def check_args(args, world_size: int):
         (engine.max_tokens_per_microbatch >= sequence, "--max-tokens-per-microbatch must hold one whole "
          "sequence (>= --max-prompt-tokens + --max-new-tokens)"),
         (0 < engine.vllm_gpu_memory < 1, "--vllm-gpu-memory must be a fraction between 0 and 1"),
-        (not (data.dataset and run.eval_every and not data.eval_dataset),
+        (not (data.dataset and run.eval_every and not given.eval_dataset),
          "--dataset is local: pass --eval-dataset (a local test jsonl) too, or --eval-every 0"),
         (invariant in (None, "0", "1"), f"VLLM_BATCH_INVARIANT is {invariant!r}, but vLLM reads it as an "
          "integer: set VLLM_BATCH_INVARIANT=1"),

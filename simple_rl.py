@@ -1126,10 +1126,10 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
         engine.sleep()
         warm_start(model, inputs, order, args, world)
         engine.sync_weights(model, world, changed=True)
-    ref_model = reference_policy(model) if args.loss.kl_coef > 0 else None  # KL to GRPO's start
-    if ref_model is not None and world.size > 1:
-        shard_model(ref_model, world)
     try:
+        ref_model = reference_policy(model) if args.loss.kl_coef > 0 else None  # KL to GRPO's start
+        if ref_model is not None and world.size > 1:
+            shard_model(ref_model, world)
         grpo(args, engine, model, ref_model, inputs, order, writer, world)
     finally:  # also on an error: a save under way ends, the failing step's parity scalars reach the disk
         Checkpoints.end_write(quietly=True)

@@ -429,6 +429,8 @@ def test_files_are_checked_before_torch_loads(tmp_path):
     assert plumbing.resolve_model_dir(str(cache)) == cache / "snapshots" / "abc123"
     hub = make_args(dataset="openai/gsm8k", eval_dataset="openai/gsm8k", run_name="hub")  # the default's id
     assert plumbing.check_args(hub, 1).data == make_args().data
+    local = make_args(dataset=str(gsm8k_jsonl("train")), eval_dataset="openai/gsm8k", run_name="local")
+    assert plumbing.check_args(local, 1).data == make_args(dataset=str(gsm8k_jsonl("train"))).data
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heads", "model", "models--Org--Name", "sharded"]
 
 
