@@ -780,6 +780,17 @@ def init_distributed(device: str) -> tuple[int, int]:
     return (dist.get_rank(), size) if size > 1 else (0, 1)
 
 
+def agreed_run_name(args, world):
+    """`args` with rank 0's run name: under torchrun each rank named the run by its own clock (`check_args`),
+    and two ranks' seconds can differ."""
+    if world.size == 1:
+        return args
+    import torch.distributed as dist
+    name = [args.run.run_name]
+    dist.broadcast_object_list(name, src=0)
+    return dataclasses.replace(args, run=dataclasses.replace(args.run, run_name=name[0]))
+
+
 def shard_model(model, world, keep_gathered: bool = False):
     """FSDP2, a unit per block plus the root (embedding, final norm, maybe-tied lm_head). Gradients
     reduce-scatter as fp32 sums, not means: the loss is already divided by all ranks' token count.

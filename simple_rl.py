@@ -43,11 +43,11 @@ from typing import Annotated, Literal, NamedTuple
 import tyro
 
 from plumbing import (
-    FIXED, CheckpointError, Checkpoints, ModelShape, UsageError, check_args, check_gpu_memory, default_is,
-    exit_on, exit_on_full_disk, init_distributed, load_inputs, log_eval, log_line, log_parity, log_step,
-    log_to_file, open_tensorboard, parity_record, parse_command_line, progress_bar, read_files,
-    restore_training_state, shard_model, step_line, step_scalars, timed_phase, torchrun_rank_and_size,
-    weight_deltas, write_whole)
+    FIXED, CheckpointError, Checkpoints, ModelShape, UsageError, agreed_run_name, check_args,
+    check_gpu_memory, default_is, exit_on, exit_on_full_disk, init_distributed, load_inputs, log_eval,
+    log_line, log_parity, log_step, log_to_file, open_tensorboard, parity_record, parse_command_line,
+    progress_bar, read_files, restore_training_state, shard_model, step_line, step_scalars, timed_phase,
+    torchrun_rank_and_size, weight_deltas, write_whole)
 
 # ===== Flags: every flag; a field's comment is its --help =====
 @dataclass
@@ -1103,6 +1103,7 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
     world = World(*init_distributed(device))
+    args = agreed_run_name(args, world)  # runs/<name> and the checkpoints: one folder for every rank
     # Before vLLM starts: a model that cannot fit is refused, not run out of memory (the CPU is not planned).
     keep_gathered = check_gpu_memory(inputs.shape, args, world) if device == "cuda" else True
     if quiet:

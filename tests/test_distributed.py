@@ -93,6 +93,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_name_worker(rank: int, world: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    place = simple_rl.World(*plumbing.init_distributed("cpu"))
+    args = plumbing.agreed_run_name(make_args(run_name=f"grpo_clock_of_rank_{rank}"), place)
+    (out / f"rank{rank}").write_text(args.run.run_name)
+    dist.destroy_process_group()
+
+
+def test_every_rank_takes_rank_0s_run_name(tmp_path):
+    """Each rank names a run by its own clock (`check_args`); two clocks can read different seconds, and a
+    rank's logs and checkpoint shards would go to another folder: every rank takes rank 0's name."""
+    mp.spawn(run_name_worker, args=(2, free_port(), tmp_path), nprocs=2)
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["grpo_clock_of_rank_0"] * 2
+
+
 @pytest.mark.parametrize("keep_gathered", [False, True])
 def test_two_processes_make_the_update_of_one(tmp_path, keep_gathered):
     """FSDP2 gathering the weights at every micro-batch, or once a step (its gradients then reduce-scattered
