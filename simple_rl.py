@@ -755,7 +755,7 @@ class MasterWeights:
     def step(self, lr: float, max_grad_norm: float, world: World = World()) -> tuple[float, dict]:
         """Clip the gradients by their norm over all ranks, step AdamW and round the masters into the bf16
         weights. Returns the pre-clip norm and, per parameter, the squared L2 norms of its change and of its
-        old value (this rank's part: see `weight_deltas`)."""
+        old value (this rank's part: `weights_changed` and plumbing's `weight_deltas` sum them over ranks)."""
         grads = [p.main_grad for _, p in self.named]
         for _, p in self.named:
             p.main_grad = None
