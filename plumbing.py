@@ -667,9 +667,13 @@ def memory_plan(shape: ModelShape, args, gpus: int, gpu_bytes: int,
     bf16_grads = 2 * (shard if gpus > 1 and not keep_gathered else embedding)
     micro_batch = micro_batch_bytes(model_args, e.max_tokens_per_microbatch, e.activation_checkpointing,
                                     bf16_grads)
+    # the exact sampler's record of each drawn token and its logprob (int64 + fp32), a row a request and a
+    # column a draw, a spare of each (batch_invariant_backward.SampledLogprobs)
+    requests = args.sampling.prompts_per_step * args.sampling.samples_per_prompt / gpus
+    recorded = 12 * (requests + 1) * (args.sampling.max_new_tokens + 1)
     return {
         "generating": context | {"vLLM": e.vllm_gpu_memory * gpu_bytes + VLLM_SAMPLER_BYTES} | state
-        | {"PyTorch's cache": CACHED_WHILE_GENERATING * micro_batch},
+        | {"PyTorch's cache": CACHED_WHILE_GENERATING * micro_batch, "sampled tokens' record": recorded},
         "training": context | asleep | state | fsdp | grads | {
             "activations, bf16 gradients": micro_batch,
             "PyTorch's cache": CACHED_WHILE_TRAINING * micro_batch + CACHED_BESIDE_GRADIENTS * 4 * shard},

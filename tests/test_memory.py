@@ -45,7 +45,8 @@ def test_the_plan_adds_up_what_each_phase_holds():
     assert plan["generating"] == {"CUDA context": plumbing.CUDA_CONTEXT_BYTES,
                                   "vLLM": 0.5 * H100 + plumbing.VLLM_SAMPLER_BYTES,
                                   "bf16 weights": 2 * n, "fp32 masters": 4 * n, "AdamW moments": 8 * n,
-                                  "PyTorch's cache": plumbing.CACHED_WHILE_GENERATING * micro_batch}
+                                  "PyTorch's cache": plumbing.CACHED_WHILE_GENERATING * micro_batch,
+                                  "sampled tokens' record": 12 * (32 * 8 + 1) * (512 + 1)}
     assert plan["training"]["fp32 gradient sums"] == 4 * n
     assert plan["training"]["activations, bf16 gradients"] == micro_batch
     assert plan["the optimizer step"]["fp32 copies"] == 0  # fused AdamW: no temporary
@@ -82,6 +83,9 @@ def test_what_fits_one_h100():
     # sharded over 4 GPUs, each with an engine of its own, the 8B's state fits; its activations need checkpointing
     assert "it would fit with --activation-checkpointing" in refusal(shape("8b"), flags(), 4)
     plumbing.check_memory(shape("8b"), flags(activation_checkpointing=True), 4, H100, None)
+    # the exact sampler records every request's drawn tokens on the GPU: 100,000 samples of 32 prompts do not fit
+    message = refusal(shape("1.7b"), flags(samples_per_prompt=100_000))
+    assert message.startswith("1.72B parameters do not fit: generating needs") and "sampled tokens' record 18.3" in message
 
 
 def test_the_activations_planned_are_what_the_kernels_keep(tmp_path):
