@@ -133,8 +133,20 @@ def exit_on(error: Exception, status: int) -> None:
         print(f"error: {error}", file=TERMINAL)
     if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's summary then names this line as the root cause
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        if sys.exception() is not None:  # the record keeps the handled error's stack: torchrun would print
+            sys.exception().__traceback__ = None  # every rank's; the line is the message
         ErrorHandler().record_exception(SystemExit(f"error: {error}"))
     sys.exit(status)
+
+
+def exit_on_full_disk(error: OSError) -> None:
+    """A disk full beneath TensorBoard, the log or a cache (a save's is a CheckpointError): one line, exit
+    status 1. The log's copier then leaves fd 2 quiet (`log_to_file`): a thread dying as the process exits
+    (TensorBoard's) goes unseen."""
+    global DISK_FULL
+    DISK_FULL, where = True, f": {error.filename}" if error.filename else ""
+    exit_on(f"the disk is full ({error.strerror}{where}); any checkpoints written are whole: free some "
+            "space, then --resume from the last one", 1)
 
 
 # ===== Input checks: each fails in one line (UsageError), before anything slow =====
@@ -1209,13 +1221,3 @@ def log_parity(step: int, rollouts, trainer_logprobs, parity: dict, show: int, w
     report = parity_report(rollouts.vllm_logprobs, trainer_logprobs, rollouts.completions, show,
                            parity["mismatched_tokens"])
     log_line((f"step {step} parity (first tokens of sample 0):\n" if show else "") + report, world)
-
-
-def exit_on_full_disk(error: OSError) -> None:
-    """A disk full beneath TensorBoard, the log or a cache (a save's is a CheckpointError): one line, exit
-    status 1. The log's copier then leaves fd 2 quiet (`log_to_file`): a thread dying as the process exits
-    (TensorBoard's) goes unseen."""
-    global DISK_FULL
-    DISK_FULL, where = True, f": {error.filename}" if error.filename else ""
-    exit_on(f"the disk is full ({error.strerror}{where}); any checkpoints written are whole: free some "
-            "space, then --resume from the last one", 1)

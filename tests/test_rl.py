@@ -328,6 +328,7 @@ def test_under_torchrun_a_bad_flag_is_the_root_cause_torchrun_names(tmp_path, fl
     print(f"\n[torchrun, a bad flag] {len(result.stderr.splitlines())} lines on stderr")
     assert result.returncode != 0 and message in lines[-1]
     assert result.stderr.count(f"error: {message}") == 1  # rank 0's own line, once
+    assert "simple_rl.py\", line" not in result.stderr  # each rank's record: the line, not the script's stack
 
 
 def test_help_groups_the_flags_and_keeps_their_names(tmp_path):
