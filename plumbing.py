@@ -596,14 +596,12 @@ class Inputs:
     eval_rows: list[dict]
 
 
-def load_inputs(args, files: Files, shape_of: Callable[[dict], ModelShape],
-                encode_dataset: Callable) -> Inputs:
-    """The inputs that need torch, transformers or the hub, checked: the model's shape (`shape_of` its
-    config.json) against a resumed training state, the tokenizer, the datasets encoded by
+def load_inputs(args, files: Files, shape: ModelShape, encode_dataset: Callable) -> Inputs:
+    """The inputs that need torch, transformers or the hub, checked: the model's `shape` (of its config.json)
+    against a resumed training state, the tokenizer, the datasets encoded by
     `encode_dataset(rows, tokenizer, data)`."""
     from transformers import AutoTokenizer
     model_dir, source = files.model_dir, "--resume" if args.run.resume else "--model"
-    shape = shape_of(files.config)
     if args.run.resume:
         check_training_state(model_dir, shape)
     try:

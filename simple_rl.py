@@ -1098,8 +1098,7 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
     if files is None:
         args = check_args(args, torchrun_rank_and_size()[1])
         files = read_files(args, ANSWER_AFTER_HASHES)
-    inputs = load_inputs(args, files, lambda config: model_shape(model_args_from_hf_config(config)),
-                         encode_dataset)
+    inputs = load_inputs(args, files, model_shape(model_args_from_hf_config(files.config)), encode_dataset)
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
     world = World(*init_distributed(device))

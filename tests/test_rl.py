@@ -1410,7 +1410,7 @@ def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeyp
     assert saved.chat_template == QWEN3_CHAT_TEMPLATE and len(saved) == len(AutoTokenizer.from_pretrained(model_dir))
 
     files = plumbing.read_files(args, simple_rl.ANSWER_AFTER_HASHES)
-    inputs = plumbing.load_inputs(args, files, lambda config: simple_rl.model_shape(simple_rl.model_args_from_hf_config(config)),
+    inputs = plumbing.load_inputs(args, files, simple_rl.model_shape(simple_rl.model_args_from_hf_config(files.config)),
                                   simple_rl.encode_dataset)
     order = list(range(len(inputs.train_rows)))
     simple_rl.warm_start(simple_rl.load_qwen3(model_dir, "cpu"), inputs, order, args, simple_rl.World())
