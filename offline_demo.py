@@ -35,8 +35,15 @@ HERE = Path(__file__).resolve().parent
 
 
 def qwen3_config(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256,
-                 tie=True, max_positions=2048, eos_token_id=1) -> dict:  # fmt: skip
-    """A Hugging Face Qwen3 config.json of any size (Qwen3-1.7B: 2048, 28, 16, 8, 128, 6144, 151936)."""
+                 tie=True, max_positions=2048, eos_token_id=1, experts=0, experts_per_token=8,
+                 moe_intermediate=768, norm_topk_prob=True) -> dict:  # fmt: skip
+    """A Hugging Face Qwen3 config.json of any size (Qwen3-1.7B: 2048, 28, 16, 8, 128, 6144, 151936); with
+    `experts`, a Qwen3-MoE's, every layer sparse (Qwen3-30B-A3B: 2048, 48, 32, 4, 128, 6144, 151936, untied,
+    128 experts, 8 a token, 768 wide)."""
+    moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": experts,
+           "num_experts_per_tok": experts_per_token, "moe_intermediate_size": moe_intermediate,
+           "norm_topk_prob": norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "router_aux_loss_coef": 0.001, "output_router_logits": False} if experts else {}
     return {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
@@ -45,7 +52,7 @@ def qwen3_config(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermed
         "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
         "sliding_window": None, "max_window_layers": layers, "bos_token_id": eos_token_id,
         "eos_token_id": eos_token_id, "torch_dtype": "bfloat16", "initializer_range": 0.02, "use_cache": True,
-    }  # fmt: skip
+    } | moe  # fmt: skip
 
 
 def random_hf_weights(config: dict, seed: int = 0, dtype=torch.bfloat16, device="cpu") -> dict:
@@ -72,9 +79,18 @@ def random_hf_weights(config: dict, seed: int = 0, dtype=torch.bfloat16, device=
             p + "self_attn.q_proj.weight": w(nh * d, h), p + "self_attn.k_proj.weight": w(nkv * d, h),
             p + "self_attn.v_proj.weight": w(nkv * d, h), p + "self_attn.o_proj.weight": w(h, nh * d),
             p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d),
-            p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h), p + "mlp.down_proj.weight": w(h, i),
             p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
         })  # fmt: skip
+        if config.get("num_experts"):  # the router's logits spread like a trained one's (std ~1)
+            e, i = config["num_experts"], config["moe_intermediate_size"]
+            out[p + "mlp.gate.weight"] = w(e, h)
+            for x in range(e):
+                out.update({p + f"mlp.experts.{x}.gate_proj.weight": w(i, h),
+                            p + f"mlp.experts.{x}.up_proj.weight": w(i, h),
+                            p + f"mlp.experts.{x}.down_proj.weight": w(h, i)})
+        else:
+            out.update({p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+                        p + "mlp.down_proj.weight": w(h, i)})
     return out
 
 

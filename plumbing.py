@@ -271,10 +271,12 @@ def read_config(model_dir: Path) -> dict:
         raise UsageError(f"{path}: a JSON object of the model's settings was expected")
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
             "intermediate_size", "rms_norm_eps", "max_position_embeddings")
+    if config.get("model_type") == "qwen3_moe":
+        keys += ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
     missing = [key for key in keys if key not in config]
-    if config.get("model_type") != "qwen3" or missing:
+    if config.get("model_type") not in ("qwen3", "qwen3_moe") or missing:
         what = f"no {', '.join(missing)}" if missing else f"model_type is {config.get('model_type')!r}"
-        raise UsageError(f"{path}: {what}; this trainer needs a Hugging Face Qwen3 config")
+        raise UsageError(f"{path}: {what}; this trainer needs a Hugging Face Qwen3 or Qwen3-MoE config")
     for key in keys:
         if not isinstance(config[key], (int, float)) or isinstance(config[key], bool) or not config[key] > 0:
             raise UsageError(f"{path}: {key} is {config[key]!r}; it must be a number > 0")
@@ -282,14 +284,23 @@ def read_config(model_dir: Path) -> dict:
         raise UsageError(f"{path}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
                          f"num_key_value_heads {config['num_key_value_heads']} (each KV head serves a group "
                          "of query heads)")
+    if config["model_type"] == "qwen3_moe" and config["num_experts_per_tok"] > config["num_experts"]:
+        raise UsageError(f"{path}: num_experts_per_tok {config['num_experts_per_tok']} is more than "
+                         f"num_experts {config['num_experts']}")
     rope = rope_parameters(config)
     unsupported = {"hidden_act": config.get("hidden_act", "silu") != "silu",
+                   # Qwen3-MoE's released models make every layer sparse; torchtitan's Qwen3-MoE does
+                   "a dense layer among the sparse (decoder_sparse_step, mlp_only_layers)":
+                       config["model_type"] == "qwen3_moe"
+                       and (config.get("decoder_sparse_step", 1) != 1 or bool(config.get("mlp_only_layers"))),
+                   "a shared expert": bool(config.get("shared_expert_intermediate_size")),
                    "attention_bias": bool(config.get("attention_bias", False)),
                    "rope scaling": rope.get("rope_type", rope.get("type", "default")) != "default",
                    "sliding window": bool(config.get("use_sliding_window", False))}
     for name, bad in unsupported.items():
         if bad:
-            raise UsageError(f"{path}: {name} is not supported by this trainer (plain Qwen3 only)")
+            raise UsageError(f"{path}: {name} is not supported by this trainer (plain Qwen3 and Qwen3-MoE "
+                             "only)")
     return config
 
 
@@ -303,8 +314,15 @@ def checkpoint_shapes(config: dict) -> dict[str, tuple]:
     layer = {"self_attn.q_proj.weight": (h * hd, d), "self_attn.k_proj.weight": (kv * hd, d),
              "self_attn.v_proj.weight": (kv * hd, d), "self_attn.o_proj.weight": (d, h * hd),
              "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
-             "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
              "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    if config["model_type"] == "qwen3_moe":  # every layer sparse: a router and each expert's SwiGLU
+        f, experts = config["moe_intermediate_size"], range(config["num_experts"])
+        layer |= {"mlp.gate.weight": (len(experts), d)}
+        layer |= {f"mlp.experts.{e}.{proj}.weight": dims for e in experts
+                  for proj, dims in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f)))}
+    else:
+        layer |= {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+                  "mlp.down_proj.weight": (d, f)}
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     shapes |= {f"model.layers.{i}.{name}": dims for i in range(config["num_hidden_layers"])
                for name, dims in layer.items()}

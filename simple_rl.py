@@ -370,6 +370,52 @@ class FeedForward(nn.Module):
         return ops.linear(ops.silu_and_mul(ops.linear(x, self.w13.weight)), self.w2.weight)
 
 
+class MoE(nn.Module):
+    """Qwen3-MoE's sparse block as vLLM's `FusedMoE` serves it: a router (bf16 logits), the top-k experts of
+    its softmax, each a SwiGLU of its own, their outputs weighted and summed. torchtitan's names; `w13` holds
+    each expert's [gate; up] as vLLM's `w13_weight` does."""
+    KERNEL_CALLS = ("router", "route", "experts")
+
+    def __init__(self, args, kernels: Kernels):
+        super().__init__()
+        self.kernels, m, I = kernels, args.moe_args, args.moe_inter_dim
+        self.top_k, self.renormalize = m.top_k, m.route_norm
+        self.router = nn.ModuleDict({"gate": nn.Linear(args.dim, m.num_experts, bias=False)})
+        self.experts = nn.ParameterDict({"w13": nn.Parameter(torch.empty(m.num_experts, 2 * I, args.dim)),
+                                         "w2": nn.Parameter(torch.empty(m.num_experts, args.dim, I))})
+        self.routed = None  # the training forwards' tokens per expert, and their router entropy's sum
+
+    def forward(self, x) -> torch.Tensor:
+        ops = self.kernels
+        logits = ops.linear(x, self.router.gate.weight)  # (T, E)
+        weights, ids = ops.route(logits, self.top_k, self.renormalize)  # (T, k) each
+        # For `routing_metrics`, in training forwards (a recomputation with --activation-checkpointing counts
+        # again: the ratios stay); counted by adds of 1 in fp64: exact, whatever the order.
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                routed = logits.new_zeros(logits.shape[1] + 1, dtype=torch.float64)
+                routed.index_add_(0, ids.reshape(-1), routed.new_ones(ids.numel()))
+                routed[-1] = torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum()
+                self.routed = routed if self.routed is None else self.routed + routed
+        return ops.experts(x, self.experts.w13, self.experts.w2, weights, ids)
+
+
+def routing_metrics(model: nn.Module, world: World = World()) -> dict:
+    """A mixture of experts' routing over the step's training forwards, per layer: how unevenly the tokens
+    spread (the busiest expert's over the mean; 1 is even) and the router's entropy (nats a token; ln E is
+    uniform). Read once a step: the sums restart."""
+    moes = [layer.moe for layer in model.layers if hasattr(layer, "moe") and layer.moe.routed is not None]
+    if not moes:
+        return {}
+    routed = world.sum(torch.stack([moe.routed for moe in moes])).cpu()  # (layers, E + 1)
+    for moe in moes:
+        moe.routed = None
+    load, entropy = routed[:, :-1], routed[:, -1] * moes[0].top_k / routed[:, :-1].sum(-1)
+    return {name: float(value) for i, (row, e) in enumerate(zip(load, entropy))
+            for name, value in ((f"expert_load_max_over_mean/layer_{i:02d}", row.max() / row.mean()),
+                                (f"router_entropy/layer_{i:02d}", e))}
+
+
 class TransformerBlock(nn.Module):
     KERNEL_CALLS = ("attention_norm", "ffn_norm")
 
@@ -379,7 +425,14 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args, kernels)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args, kernels)
+        if args.moe_enabled:  # torchtitan's names, which its Hugging Face adapter maps
+            self.moe = MoE(args, kernels)
+        else:
+            self.feed_forward = FeedForward(args, kernels)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.moe if hasattr(self, "moe") else self.feed_forward
 
     def forward(self, h, residual, positions, cos_sin_cache, cu_seqlens, max_seqlen: int):
         """(h, residual) of the layer below -> this layer's (h, residual), each (T, dim)."""
@@ -389,7 +442,7 @@ class TransformerBlock(nn.Module):
                             else ops.rms_norm(h, self.attention_norm.weight, self.eps, residual))
         h = self.attention(normed, positions, cos_sin_cache, cu_seqlens, max_seqlen)
         normed, residual = ops.rms_norm(h, self.ffn_norm.weight, self.eps, residual)
-        return self.feed_forward(normed), residual
+        return self.ffn(normed), residual
 
 
 class TokenLogprobs(NamedTuple):
@@ -447,10 +500,17 @@ class Qwen3(nn.Module):
 
 # ===== Weights: Hugging Face checkpoints in and out =====
 def model_args_from_hf_config(config: dict):
-    """torchtitan's Qwen3ModelArgs from a Hugging Face `config.json` (checked by plumbing's `read_config`)."""
+    """torchtitan's Qwen3ModelArgs from a Hugging Face `config.json` (checked by plumbing's `read_config`):
+    Qwen3, or Qwen3-MoE (every layer sparse, softmax top-k routing, no shared expert)."""
+    from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    moe = config["model_type"] == "qwen3_moe"
     return Qwen3ModelArgs(
+        moe_enabled=moe, moe_inter_dim=config.get("moe_intermediate_size", 0),
+        moe_args=MoEArgs(num_experts=config["num_experts"], num_shared_experts=0, score_func="softmax",
+                         route_norm=config.get("norm_topk_prob", False), top_k=config["num_experts_per_tok"],
+                         load_balance_coeff=None) if moe else MoEArgs(),
         dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
         n_heads=config["num_attention_heads"], n_kv_heads=config["num_key_value_heads"],
         vocab_size=config["vocab_size"], hidden_dim=config["intermediate_size"],
@@ -468,7 +528,11 @@ def from_hf_state_dict(hf_state: dict, args) -> dict:
     for i in range(args.n_layers):
         attn, ffn = f"layers.{i}.attention.", f"layers.{i}.feed_forward."
         state[attn + "wqkv.weight"] = torch.cat([state.pop(attn + w + ".weight") for w in ("wq", "wk", "wv")])
-        state[ffn + "w13.weight"] = torch.cat([state.pop(ffn + w + ".weight") for w in ("w1", "w3")])
+        if args.moe_enabled:
+            experts = f"layers.{i}.moe.experts."
+            state[experts + "w13"] = torch.cat([state.pop(experts + w) for w in ("w1", "w3")], dim=1)
+        else:
+            state[ffn + "w13.weight"] = torch.cat([state.pop(ffn + w + ".weight") for w in ("w1", "w3")])
     return state
 
 
@@ -491,6 +555,8 @@ def hf_weights(model: Qwen3):
             parts = dict(zip([prefix + w + ".weight" for w in ("wq", "wk", "wv")], p.split([q, kv, kv])))
         elif name.endswith("feed_forward.w13.weight"):
             parts = dict(zip([prefix + "w1.weight", prefix + "w3.weight"], p.chunk(2)))
+        elif name.endswith("moe.experts.w13"):  # (E, 2I, H): each expert's gate and up rows
+            parts = dict(zip([prefix + "experts.w1", prefix + "experts.w3"], p.chunk(2, dim=1)))
         else:
             parts = {name: p}
         yield from adapter.to_hf(parts).items()
@@ -893,6 +959,7 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     metrics["correction_ess"] = weight**2 / weight_sq if weight_sq else 0.0  # Kish's: 1 if all weights equal
     if s.top_k == 0 and s.top_p == 1:  # every token kept: nothing to report
         del metrics["kept_tokens"], metrics["cut_mass"]
+    metrics |= routing_metrics(model, world)
     return metrics, list(torch.cat(logprobs).cpu().split([len(c) for c in rollouts.completions]))
 
 
@@ -1026,8 +1093,11 @@ def warm_start(model: Qwen3, inputs, order: list[int], args: Args, world: World 
     for step in progress_bar(range(args.warm_start.sft_steps), "warm start", world):
         rows = step_rows(inputs.train_rows, order, step, args.warm_start.sft_batch_size)
         loss = sft_step(model, optimizer, rows, args, world)
+        routing = routing_metrics(model, world)  # a mixture of experts': the step's (and the sums restart)
         if world.is_main:
             writer.add_scalar("sft/loss", loss, step)
+            for name, value in routing.items():
+                writer.add_scalar(f"sft/{name}", value, step)
     if world.is_main:
         writer.close()
 

@@ -31,6 +31,8 @@ def cases():
     hidden, weight = torch.randn(T, 6, **f64), torch.randn(40, 6, **f64)
     top = (hidden @ weight.t()).argmax(-1)
     tokens = torch.tensor([3, 0, 3, 8, 3, 0, 1, 3, 2, 5, 3, 0, 7])  # T of them, repeats included
+    # each token's 2 of 5 experts, expert 2 chosen by none (an empty group)
+    expert_ids = torch.stack([torch.tensor([0, 1, 3, 4])[torch.randperm(4)[:2]] for _ in range(T)]).int()
     return {
         "embedding": (lambda w: bib.Embedding.apply(tokens, w), lambda w: F.embedding(tokens, w),
                       (torch.randn(9, 6, **f64),), ()),
@@ -53,6 +55,14 @@ def cases():
         # Top-k and top-p: the targets are each row's likeliest token, which every kept set holds.
         "lm_head_logprobs_top_k_top_p": (bib.LMHeadLogprobs.apply, bib.lm_head_logprobs_reference,
                                          (hidden, weight), (top, 0.6, 5, 0.9)),
+        # a mixture of experts' router: the top 3 of 7 experts' weights, renormalised or not
+        "route": (lambda z: bib.Route.apply(z, 3, True)[0], lambda z: bib.route_reference(z, 3, True)[0],
+                  (torch.randn(T, 7, **f64),), ()),
+        "route_not_renormalised": (lambda z: bib.Route.apply(z, 3, False)[0],
+                                   lambda z: bib.route_reference(z, 3, False)[0], (torch.randn(T, 7, **f64),), ()),
+        "experts": (bib.Experts.apply, bib.experts_reference,
+                    (torch.randn(T, 6, **f64), torch.randn(5, 8, 6, **f64), torch.randn(5, 6, 4, **f64),
+                     torch.rand(T, 2, **f64)), (expert_ids,)),
     }  # fmt: skip
 
 

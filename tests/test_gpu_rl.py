@@ -84,8 +84,23 @@ def test_rl_run_is_bitwise_every_step_and_its_checkpoint_loads(tmp_path):
     print(f"[e2e off] mismatched tokens per step {off_mismatches}; "
           f"vllm_kl {[f'{k:.2e}' for k in values(off, 'parity/vllm_kl')]}")  # fmt: skip
 
-    # The final checkpoint: vLLM serves it and its logprobs are the trainer's, bit for bit.
-    ckpt = tmp_path / "checkpoints" / "on" / f"step_{STEPS:06d}"
+    check_the_checkpoint_serves_the_trainers_bits(tmp_path / "checkpoints" / "on" / f"step_{STEPS:06d}")
+
+    # Same seed, same run: the reward and loss curves come out bit for bit the same, also with an
+    # eager engine (CUDA graphs replay the eager kernels), recomputed activations, and a correction
+    # whose weights are all exactly 1.
+    again = run(tmp_path, model_dir, "on_again", batch_invariant=True,
+                extra=["--no-vllm-cuda-graphs", "--activation-checkpointing", "--correction", "mis"])
+    assert all(m == 0 for m in values(again, "parity/mismatched_tokens"))
+    assert values(again, "train/correction_weight_mean") == [1.0] * STEPS
+    assert values(again, "train/correction_cut_frac") == [0.0] * STEPS
+    for tag in ("reward/reward_mean", "train/loss", "train/grad_norm"):
+        assert values(again, tag) == values(on, tag), tag
+
+
+def check_the_checkpoint_serves_the_trainers_bits(ckpt: Path) -> None:
+    """A run's checkpoint: vLLM serves it and its logprobs are the trainer's, bit for bit; transformers loads
+    it as the same model."""
     engine = start_engine(ckpt, 0.05, max_model_len=512, seed=0, sleep_mode=False, kv_cache_gib=1)
     model = simple_rl.load_qwen3(ckpt, "cuda")
     assert engine.weights_checksum() == simple_rl.weights_checksum(model.parameters())
@@ -110,27 +125,22 @@ def test_rl_run_is_bitwise_every_step_and_its_checkpoint_loads(tmp_path):
         ours = torch.nn.functional.linear(hidden, reference.output_weight)
         torch.testing.assert_close(ours, hf(torch.tensor([seq])).logits[0], rtol=1e-4, atol=1e-4)
 
-    # Same seed, same run: the reward and loss curves come out bit for bit the same, also with an
-    # eager engine (CUDA graphs replay the eager kernels), recomputed activations, and a correction
-    # whose weights are all exactly 1.
-    again = run(tmp_path, model_dir, "on_again", batch_invariant=True,
-                extra=["--no-vllm-cuda-graphs", "--activation-checkpointing", "--correction", "mis"])
-    assert all(m == 0 for m in values(again, "parity/mismatched_tokens"))
-    assert values(again, "train/correction_weight_mean") == [1.0] * STEPS
-    assert values(again, "train/correction_cut_frac") == [0.0] * STEPS
-    for tag in ("reward/reward_mean", "train/loss", "train/grad_norm"):
-        assert values(again, tag) == values(on, tag), tag
-
 
 @pytest.mark.parametrize("offload", [[], ["--offload-optimizer"]], ids=["", "offloaded optimizer"])
 def test_a_run_killed_mid_step_resumes_bit_for_bit(tmp_path, offload):
     """kill -9 during step 5 of 6, after the step-4 checkpoint; --resume from it ends with the weights
     and TensorBoard scalars of the run that was never stopped, and 0 mismatched tokens throughout."""
-    from safetensors.torch import load_file
-
     model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", hidden=256, layers=4, heads=4, kv_heads=2,
                                   head_dim=128, intermediate=768)
-    extra = ["--steps", "6", "--save-every", "2", "--keep-last", "0", "--eval-every", "2", *offload]
+    check_a_kill_and_resume(tmp_path, model_dir, offload)
+
+
+def check_a_kill_and_resume(tmp_path, model_dir: Path, flags: list[str]) -> None:
+    """kill -9 in step 5 of 6, after the step-4 checkpoint; --resume from it gives the uninterrupted run's
+    weights and scalars, 0 mismatched tokens throughout."""
+    from safetensors.torch import load_file
+
+    extra = ["--steps", "6", "--save-every", "2", "--keep-last", "0", "--eval-every", "2", *flags]
     whole = run(tmp_path, model_dir, "whole", batch_invariant=True, extra=extra)
 
     command, env = script_command(tmp_path, model_dir, "killed", batch_invariant=True, extra=extra)

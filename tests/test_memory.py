@@ -11,7 +11,7 @@ import plumbing
 import simple_rl
 from batch_invariant_backward import kept_bytes
 
-H100, GiB = 81559 * 2**20, 2**30
+H100, H200, GiB = 81559 * 2**20, 143771 * 2**20, 2**30
 SHAPES = {  # Qwen3's, as torchtitan's Qwen3ModelArgs
     "1.7b": dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, enable_weight_tying=True),
     "4b": dict(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728, enable_weight_tying=True),
@@ -88,11 +88,14 @@ def test_what_fits_one_h100():
     assert message.startswith("1.72B parameters do not fit: generating needs") and "sampled tokens' record 18.3" in message
 
 
-def test_the_activations_planned_are_what_the_kernels_keep(tmp_path):
+@pytest.mark.parametrize("experts, renormalised", [(0, True), (6, True), (6, False)])
+def test_the_activations_planned_are_what_the_kernels_keep(tmp_path, experts, renormalised):
     """What the plan counts as kept for a micro-batch without checkpointing equals, byte for byte, what the
     trainer's autograd Functions save for the backward (each storage once, the weights aside), in a model
-    whose every size differs."""
-    config = qwen3_config(hidden=96, layers=3, heads=6, kv_heads=2, head_dim=16, intermediate=160, vocab=320)
+    whose every size differs; dense, or a mixture of experts (its routing weights and ids, and its router's
+    logits if not renormalised)."""
+    config = qwen3_config(hidden=96, layers=3, heads=6, kv_heads=2, head_dim=16, intermediate=160, vocab=320,
+                          experts=experts, experts_per_token=3, moe_intermediate=40, norm_topk_prob=renormalised)
     model = simple_rl.load_qwen3(write_checkpoint(tmp_path / "m", config), "cpu")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 2, 9)]
@@ -109,6 +112,27 @@ def test_the_activations_planned_are_what_the_kernels_keep(tmp_path):
         model(batch)
     cu_seqlens = 4 * (len(prompts) + 1)
     assert sum(saved.values()) - cu_seqlens == kept_bytes(model.args, len(batch.tokens), 93)
+
+
+def test_what_fits_one_h200_of_qwen3_30b_a3b():
+    """Qwen3-30B-A3B (48 layers of 128 experts, 30.5B parameters) is refused on one H200, naming the GPUs it
+    needs; its shape cut to 8 layers fits one, as tests/test_gpu_moe.py runs it."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    def a3b(layers):
+        moe = MoEArgs(num_experts=128, num_shared_experts=0, score_func="softmax", route_norm=True, top_k=8,
+                      load_balance_coeff=None)
+        return simple_rl.model_shape(Qwen3ModelArgs(
+            dim=2048, n_layers=layers, n_heads=32, n_kv_heads=4, hidden_dim=6144, vocab_size=151936, head_dim=128,
+            enable_weight_tying=False, moe_enabled=True, moe_inter_dim=768, moe_args=moe))
+    assert plumbing.parameter_counts(a3b(48))[0] == 30_532_122_624
+    message = refusal(a3b(48), flags(), gpu=H200)
+    assert message.startswith("30.53B parameters do not fit: generating needs 473.3 of the GPU's 140.4 GiB")
+    assert message.endswith("it would fit with torchrun --nproc-per-node 8")
+    assert refusal(a3b(48), flags(offload_optimizer=True, activation_checkpointing=True), gpu=H200).endswith(
+        "it would fit with torchrun --nproc-per-node 4")
+    plumbing.check_memory(a3b(8), flags(vllm_gpu_memory=0.3), 1, H200, None)
 
 
 def test_a_model_that_cannot_fit_is_refused_before_vllm_starts(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 HF -> trainer -> HF round trip, and a full forward + backward."""
 
 import json
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 from conftest import qwen3_config, random_hf_weights, write_checkpoint
 from safetensors.torch import load_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 import batch_invariant_backward
 import plumbing
@@ -21,6 +22,13 @@ CONFIGS = {
     "untied-gqa": qwen3_config(tie=False, heads=8, kv_heads=2, head_dim=8, layers=3),
     "untied-mha": qwen3_config(tie=False, heads=4, kv_heads=4, hidden=48, head_dim=12),
 }
+# Qwen3-MoE: each token's 2 of 6 experts, renormalised (as Qwen3-30B-A3B's 8 of 128), or 3 of 5, not
+MOE_CONFIGS = {
+    "moe": qwen3_config(tie=False, layers=2, experts=6, experts_per_token=2, moe_intermediate=32),
+    "moe-not-renormalised": qwen3_config(tie=True, layers=2, experts=5, experts_per_token=3, moe_intermediate=24,
+                                         norm_topk_prob=False),
+}
+ALL_CONFIGS = CONFIGS | MOE_CONFIGS
 
 
 def random_sequences(vocab, lengths, seed=0):
@@ -54,9 +62,27 @@ def test_logits_match_transformers(name, kernels, tmp_path):
             torch.testing.assert_close(logits[start:end], expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(MOE_CONFIGS))
+@pytest.mark.parametrize("kernels", [EXACT, REFERENCE], ids=["exact", "reference"])
+def test_moe_logits_match_transformers(name, kernels, tmp_path):
+    """A Qwen3-MoE checkpoint (Hugging Face's per-expert tensors) loaded by the trainer gives transformers'
+    Qwen3MoeForCausalLM's logits: the router's top-k, its renormalisation, the experts' weighted sum."""
+    src = write_checkpoint(tmp_path / "src", MOE_CONFIGS[name], seed=1)
+    hf = Qwen3MoeForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model = simple_rl.load_qwen3(src, "cpu", kernels, dtype=torch.float32)
+    seqs = random_sequences(MOE_CONFIGS[name]["vocab_size"], [9, 1, 23], seed=2)
+    batch = simple_rl.pack_sequences([s[:1] for s in seqs], [s[1:] for s in seqs], "cpu")
+    with torch.no_grad():
+        hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        logits = torch.nn.functional.linear(hidden, model.output_weight)
+        bounds = batch.cu_seqlens.tolist()
+        for seq, start, end in zip(seqs, bounds, bounds[1:]):
+            torch.testing.assert_close(logits[start:end], hf(torch.tensor([seq])).logits[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(ALL_CONFIGS))
 def test_hf_round_trip_is_exact(name, tmp_path):
-    src = write_checkpoint(tmp_path / "src", CONFIGS[name], seed=3)
+    src = write_checkpoint(tmp_path / "src", ALL_CONFIGS[name], seed=3)
     model = simple_rl.load_qwen3(src, "cpu")
     (tmp_path / "out").mkdir()
     plumbing.write_hf_checkpoint(dict(simple_rl.hf_weights(model)), src, tmp_path / "out")
@@ -65,12 +91,13 @@ def test_hf_round_trip_is_exact(name, tmp_path):
     for key in before:
         assert before[key].dtype == after[key].dtype == torch.bfloat16
         assert torch.equal(before[key].view(torch.int16), after[key].view(torch.int16)), key
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_size"] == CONFIGS[name]["hidden_size"]
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == ALL_CONFIGS[name]
 
 
-def test_token_logprobs_and_gradients_match_reference(tmp_path):
+@pytest.mark.parametrize("name", ["untied-gqa", *MOE_CONFIGS])
+def test_token_logprobs_and_gradients_match_reference(name):
     """EXACT (hand-written backwards) and REFERENCE (autograd) agree on the CPU in float64."""
-    config = CONFIGS["untied-gqa"]
+    config = ALL_CONFIGS[name]
     args = simple_rl.model_args_from_hf_config(config)
     weights = simple_rl.from_hf_state_dict(random_hf_weights(config, seed=2, dtype=torch.float64), args)
     seqs = random_sequences(config["vocab_size"], [12, 30, 5], seed=4)
@@ -90,13 +117,13 @@ def test_token_logprobs_and_gradients_match_reference(tmp_path):
         torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-9, atol=1e-11, msg=name)
 
 
-@pytest.mark.parametrize("name", ["tied-gqa", "untied-gqa"])
+@pytest.mark.parametrize("name", ["tied-gqa", "untied-gqa", "moe"])
 def test_a_steps_gradient_sums_are_the_same_with_recomputed_activations(name):
     """`MasterWeights`' fp32 sums over two bf16 micro-batches: a linear weight's products added to its sum in
     the matmul (`weight_grad`), the other weights' bf16 gradients folded in; each to bf16 rounding plain
     autograd's gradient (once each: none lost, none counted twice). Bit for bit the same with
     --activation-checkpointing, whose recomputation hands the backward detached copies of the weights."""
-    config = CONFIGS[name]
+    config = ALL_CONFIGS[name]
     args = simple_rl.model_args_from_hf_config(config)
     weights = simple_rl.from_hf_state_dict(random_hf_weights(config, seed=3, dtype=torch.bfloat16), args)
     seqs = random_sequences(config["vocab_size"], [12, 30, 5, 20], seed=5)
@@ -135,7 +162,14 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
                           (json.dumps({k: v for k, v in qwen3_config().items() if k != "hidden_size"}), "no hidden_size"),
                           (json.dumps(dict(qwen3_config(), hidden_size="64")), "hidden_size is '64'; it must be a number"),
                           (json.dumps(dict(qwen3_config(), rms_norm_eps=0)), "rms_norm_eps is 0; it must be a number > 0"),
-                          ("[1, 2]", "a JSON object of the model's settings"), ("{not json", "not valid JSON")]:
+                          ("[1, 2]", "a JSON object of the model's settings"), ("{not json", "not valid JSON"),
+                          (json.dumps(qwen3_config(experts=4, experts_per_token=2) | {"num_experts_per_tok": 5}),
+                           "num_experts_per_tok 5 is more than num_experts 4"),
+                          (json.dumps(qwen3_config(experts=4, experts_per_token=2) | {"decoder_sparse_step": 2}),
+                           "a dense layer among the sparse"),
+                          (json.dumps(qwen3_config(experts=4, experts_per_token=2) | {"mlp_only_layers": [0]}), "a dense layer among"),
+                          (json.dumps({k: v for k, v in qwen3_config(experts=4, experts_per_token=2).items() if k != "num_experts"}),
+                           "no num_experts; this trainer needs a Hugging Face Qwen3 or Qwen3-MoE config")]:
         config.write_text(text)
         with pytest.raises(plumbing.UsageError, match=message) as error:
             plumbing.read_config(ckpt)
@@ -149,11 +183,12 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_the_checkpoint_checks_expect_the_tensors_the_trainer_writes(tie):
+@pytest.mark.parametrize("experts", [0, 4])
+def test_the_checkpoint_checks_expect_the_tensors_the_trainer_writes(tie, experts):
     """plumbing.checkpoint_shapes works out a checkpoint's tensors from config.json without torch (so that
     the weights are checked before it loads): the names and shapes the trainer's own hf_weights writes."""
     config = qwen3_config(hidden=64, layers=3, heads=4, kv_heads=2, head_dim=32, intermediate=96, vocab=300,
-                          tie=tie)
+                          tie=tie, experts=experts, experts_per_token=2, moe_intermediate=40)
     with torch.device("meta"):
         model = simple_rl.Qwen3(simple_rl.model_args_from_hf_config(config))
     assert plumbing.checkpoint_shapes(config) == {name: tuple(t.shape) for name, t in simple_rl.hf_weights(model)}
@@ -327,3 +362,26 @@ def test_matmul_tiles_fit_in_shared_memory_and_spread_over_the_sms():
                     assert bm == max(16, 1 << (m - 1).bit_length()), (m, n, t)
                 if m <= 512 and bn > 16:
                     assert -(-m // bm) * -(-n // bn) >= sms // 2, (m, n, t)
+
+
+def test_routing_metrics_count_the_training_forwards_tokens():
+    """The experts' load and the router's entropy, per layer, over a step's training forwards (not the
+    reference policy's or the locator's, which run without gradients); read once, they restart."""
+    config = MOE_CONFIGS["moe"]
+    args = simple_rl.model_args_from_hf_config(config)
+    model = simple_rl.Qwen3(args, EXACT, torch.float32)
+    model.load_state_dict(simple_rl.from_hf_state_dict(random_hf_weights(config, seed=2, dtype=torch.float32), args))
+    seqs = random_sequences(config["vocab_size"], [12, 30, 5], seed=4)
+    batch = simple_rl.pack_sequences([s[:4] for s in seqs], [s[4:] for s in seqs], "cpu")
+    with torch.no_grad():
+        model(batch)
+    assert simple_rl.routing_metrics(model) == {}
+    model(batch).logprobs.sum().backward()
+    model(batch).logprobs.sum().backward()
+    assert [int(layer.moe.routed[:-1].sum()) for layer in model.layers] == [2 * 47 * 2] * 2  # tokens x k
+    metrics = simple_rl.routing_metrics(model)
+    assert sorted(metrics) == ["expert_load_max_over_mean/layer_00", "expert_load_max_over_mean/layer_01",
+                               "router_entropy/layer_00", "router_entropy/layer_01"]
+    assert all(1 <= metrics[f"expert_load_max_over_mean/layer_{i:02d}"] <= 6 / 2 for i in range(2))
+    assert all(0 < metrics[f"router_entropy/layer_{i:02d}"] <= math.log(6) for i in range(2))
+    assert simple_rl.routing_metrics(model) == {}

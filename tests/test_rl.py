@@ -539,7 +539,7 @@ def test_bad_checkpoints_stop_before_the_engine(tmp_path):
     fp32 = cases["the weights are F32; both sides run bf16 weights"] = variant("fp32")
     save_file({k: v.float() for k, v in load_file(fp32 / "model.safetensors").items()}, fp32 / "model.safetensors")
     config = json.loads((good / "config.json").read_text())
-    cases["config.json: no hidden_size; this trainer needs a Hugging Face Qwen3 config"] = edit_config(
+    cases["config.json: no hidden_size; this trainer needs a Hugging Face Qwen3 or Qwen3-MoE config"] = edit_config(
         variant("no_hidden"), json.dumps({k: v for k, v in config.items() if k != "hidden_size"}))
     cases["config.json: a JSON object of the model's settings was expected"] = edit_config(variant("list"), "[]")
     cases["config.json: not valid JSON"] = edit_config(variant("bad_json"), "{")
