@@ -2,6 +2,7 @@
 
     python bench.py                     # Qwen3-1.7B shape, the script's default config
     python bench.py --shape 4b          # Qwen3-4B shape
+    python bench.py --shape 30b-a3b --layers 4 --vllm-gpu-memory 0.2   # Qwen3-30B-A3B's, 4 of its 48 layers
     python bench.py --trainer-only      # the trainer's forward + backward against HF transformers
     python bench.py --gpus 2 --gsm8k train.jsonl            # simple_rl.py on 1 GPU against torchrun on 2
     python bench.py --write-model DIR --gsm8k train.jsonl   # a random model at --shape, to run the script
@@ -17,7 +18,7 @@ mode at the same --vllm-gpu-memory:
   token's logprob asserted bitwise equal, the in-process push verified by checksum;
 - standard: vLLM's defaults (torch.compile + CUDA graphs, batch invariance off) and Hugging Face
   transformers' Qwen3 (SDPA, padded micro-batches of as many tokens), the same PPO-clip loss, AdamW
-  on fp32 master weights, the in-process push.
+  on fp32 master weights, the in-process push (a mixture of experts' as Hugging Face names each expert).
 Each side runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import), twice, in the order
 standard, exact, exact, standard; each process runs one warm-up step and --iters timed steps, and a
 side's figures are the medians over the timed steps of both its processes. Peak GPU memory is the
@@ -72,6 +73,8 @@ SHAPES = {
     "1.7b": dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=6144, tie=True),
     "4b": dict(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, tie=True),
     "8b": dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, tie=False),
+    "30b-a3b": dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, intermediate=6144, tie=False,
+                    experts=128, experts_per_token=8, moe_intermediate=768),  # with --layers: one GPU holds 8
 }
 
 
@@ -323,13 +326,30 @@ def standard_train(model, masters: list, optimizer, prompts, completions, vllm_l
             p.copy_(master)
 
 
+def checkpoint_named(model):
+    """(checkpoint name, tensor) of a transformers Qwen3 or Qwen3-MoE, as vLLM's `load_weights` takes them:
+    transformers 5 holds a layer's experts as two (E, ...) tensors, a checkpoint names each expert's."""
+    for name, t in model.state_dict().items():
+        prefix, _, kind = name.rpartition(".experts.")
+        if kind == "gate_up_proj":  # (E, 2I, H): each expert's [gate; up]
+            for e, expert in enumerate(t):
+                gate, up = expert.chunk(2)
+                yield f"{prefix}.experts.{e}.gate_proj.weight", gate
+                yield f"{prefix}.experts.{e}.up_proj.weight", up
+        elif kind == "down_proj":  # (E, H, I)
+            yield from ((f"{prefix}.experts.{e}.down_proj.weight", expert) for e, expert in enumerate(t))
+        else:
+            yield name, t
+
+
 def standard_step_runner(ckpt: Path, args):
-    """A standard non-exact GRPO step on the same data: vLLM defaults, HF transformers' Qwen3."""
-    from transformers import Qwen3ForCausalLM
+    """A standard non-exact GRPO step on the same data: vLLM defaults, HF transformers' Qwen3 (or MoE)."""
+    from transformers import AutoModelForCausalLM
 
     llm = standard_engine(ckpt, args)
     import vllm  # after standard_engine set its environment
-    model = Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa").cuda()
     model.train()  # Qwen3 has no dropout; transformers checkpoints activations only in train mode
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
@@ -359,8 +379,7 @@ def standard_step_runner(ckpt: Path, args):
         with plumbing.timed_phase("push", times, memory):
             torch.cuda.empty_cache()
             llm.wake_up(tags=["weights"])
-            weights = dict(model.state_dict())
-            llm.apply_model(lambda served: served.load_weights(iter(weights.items())))
+            llm.apply_model(lambda served: served.load_weights(checkpoint_named(model)))
             llm.wake_up(tags=["kv_cache"])
         return times, memory | engine_steps.medians() | {"sampled_tokens": sum(len(c) for c in completions)}
 

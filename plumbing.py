@@ -912,6 +912,9 @@ def parity_record(args, model, totals: dict) -> dict:
     a, device, exact = model.args, model.device, os.environ.get("VLLM_BATCH_INVARIANT") == "1"
     sms = _num_sms(device) if device.type == "cuda" else 132  # an H100's, for a run on the CPU
     gemms = qwen3_gemms(a.dim, a.hidden_dim, a.n_heads, a.n_kv_heads, a.head_dim, a.vocab_size)
+    if a.moe_enabled:  # the experts run in vLLM's fused MoE kernels (one tile configuration), the router here
+        gemms = {name: nk for name, nk in gemms.items() if name not in ("gate_up", "down")}
+        gemms["router"] = (a.moe_args.num_experts, a.dim)
     tiles = {f"{name} rows={m}": list(matmul_tiles(m, n, sms).values())
              for name, (n, _) in gemms.items() for m in (1, 32, 256, 8192)}
     kernels = {"batch_invariant": exact, "model_runner": "V2" if exact else "V1",  # as VLLMEngine runs

@@ -1,11 +1,15 @@
 """bench.py's arithmetic on the CPU (its runs need a GPU): a side's medians and spread over its processes,
-the ratio line's word when the sides' spreads overlap, the decode table's ratios."""
+the ratio line's word when the sides' spreads overlap, the decode table's ratios; the standard side's padded
+micro-batches and its push's names."""
 
 from types import SimpleNamespace
 
 import pytest
+import torch
+from conftest import qwen3_config, write_checkpoint
 
 import bench
+import plumbing
 
 
 def process(*steps):
@@ -144,3 +148,18 @@ def test_the_standard_side_pads_consecutive_samples_within_the_budget():
     _, _, ids, mask, rows, targets = batches[1]
     assert ids.tolist() == [[4, 5, 6], [7, 13, 0]] and mask.tolist() == [[1, 1, 1], [1, 1, 0]]
     assert rows == [(1, 0)] and targets == [13]
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_the_standard_side_pushes_what_a_checkpoint_holds(tmp_path, experts):
+    """transformers 5 keeps a Qwen3-MoE layer's experts in two (E, ...) tensors; the standard side pushes them
+    to vLLM by a checkpoint's names, each expert's, with its values: the tensors the checkpoint holds."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = qwen3_config(layers=2, experts=experts, experts_per_token=2, moe_intermediate=24, tie=False)
+    src = write_checkpoint(tmp_path / "m", config)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    pushed, saved = dict(bench.checkpoint_named(model)), load_file(src / "model.safetensors")
+    assert pushed.keys() == saved.keys() == plumbing.checkpoint_shapes(config).keys()
+    assert all(torch.equal(pushed[k].view(torch.int16), saved[k].view(torch.int16)) for k in saved)

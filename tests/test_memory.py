@@ -114,6 +114,32 @@ def test_the_activations_planned_are_what_the_kernels_keep(tmp_path, experts, re
     assert sum(saved.values()) - cu_seqlens == kept_bytes(model.args, len(batch.tokens), 93)
 
 
+def test_what_fits_eight_h200s():
+    """The plan for one node of 8 H200s (560 GiB of host memory): Qwen3-14B fits as it is; Qwen3-32B needs
+    --activation-checkpointing; Qwen3-30B-A3B's optimizer state, copied to pinned host memory by each save,
+    needs --offload-optimizer (or no saves). Planned here; #60 measures them when 8 GPUs are lent."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    def qwen3(dim, layers, heads, kv_heads, hidden, **moe):
+        return simple_rl.model_shape(Qwen3ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
+                                                    hidden_dim=hidden, vocab_size=151936, head_dim=128,
+                                                    enable_weight_tying=False, **moe))
+    a3b = dict(moe_enabled=True, moe_inter_dim=768, moe_args=MoEArgs(
+        num_experts=128, num_shared_experts=0, score_func="softmax", route_norm=True, top_k=8, load_balance_coeff=None))
+    node = dict(gpus=8, gpu=H200, host=(560 * GiB, 8))
+    plumbing.check_memory(qwen3(5120, 40, 40, 8, 17408), flags(), node["gpus"], H200, node["host"])  # 14B
+    message = refusal(qwen3(5120, 64, 64, 8, 25600), flags(), **node)  # 32B
+    assert message.startswith("32.76B parameters do not fit: generating needs 145.1 of the GPU's 140.4 GiB")
+    assert message.endswith("it would fit with --activation-checkpointing or --max-tokens-per-microbatch 2048 or "
+                            "--offload-optimizer --activation-checkpointing")
+    plumbing.check_memory(qwen3(5120, 64, 64, 8, 25600), flags(activation_checkpointing=True), 8, H200, node["host"])
+    message = refusal(qwen3(2048, 48, 32, 4, 6144, **a3b), flags(), **node)
+    assert "needs 597.4 GiB of host memory" in message
+    assert message.endswith("it would fit with --offload-optimizer or --save-every -1")
+    plumbing.check_memory(qwen3(2048, 48, 32, 4, 6144, **a3b), flags(offload_optimizer=True), 8, H200, node["host"])
+
+
 def test_what_fits_one_h200_of_qwen3_30b_a3b():
     """Qwen3-30B-A3B (48 layers of 128 experts, 30.5B parameters) is refused on one H200, naming the GPUs it
     needs; its shape cut to 8 layers fits one, as tests/test_gpu_moe.py runs it."""

@@ -1048,6 +1048,42 @@ def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, capsys, offload
     assert scalar_series(tmp_path / "runs" / "killed") == series  # step 2, logged twice, is shown once
 
 
+def test_a_mixture_of_experts_run_logs_its_routing_saves_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """A Qwen3-MoE (4 experts, 2 a token) through main(): its routing in TensorBoard each step (warm start
+    too), its checkpoint a Hugging Face Qwen3-MoE's (each expert's tensors, loaded by transformers), its
+    certificate naming the router's GEMM; killed in step 3, resumed bit for bit."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_gsm8k_model(tmp_path / "model", experts=4, experts_per_token=2, moe_intermediate=32)
+    monkeypatch.chdir(tmp_path)
+    flags = dict(steps=4, lr=1e-3, sft_steps=1, sft_batch_size=2, eval_every=2, eval_samples=3, save_every=2, keep_last=1,
+                 assert_bitwise=False)
+    run_dir = simple_rl.main(small_run(model_dir, **flags, run_name="whole"), device="cpu",
+                             engine_class=TrainerAsSampler)
+    series = scalar_series(run_dir)
+    for layer in ("00", "01"):
+        assert all(v >= 1 for _, v in series[f"train/expert_load_max_over_mean/layer_{layer}"])
+        assert all(0 < v <= math.log(4) for _, v in series[f"train/router_entropy/layer_{layer}"])
+    assert len(series["train/router_entropy/layer_00"]) == 4
+    assert len(scalar_series(run_dir / "warm_start")["sft/router_entropy/layer_01"]) == 1
+    whole = tmp_path / "checkpoints" / "whole" / "step_000004"
+    assert type(AutoModelForCausalLM.from_pretrained(whole)).__name__ == "Qwen3MoeForCausalLM"
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in load_file(whole / "model.safetensors")
+    record = json.loads((run_dir / "parity.json").read_text())
+    assert "router rows=32" in record["kernels"]["matmul_tiles (BLOCK_M, BLOCK_N, warps, stages)"]
+
+    with pytest.raises(Killed):
+        simple_rl.main(small_run(model_dir, **flags, run_name="killed"), device="cpu", engine_class=DiesInStep3)
+    checkpoint = tmp_path / "checkpoints" / "killed" / "step_000002"
+    args = plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, ["--resume", str(checkpoint)])
+    simple_rl.main(args, device="cpu", engine_class=TrainerAsSampler)
+    a, b = load_file(whole / "model.safetensors"), load_file(checkpoint.parent / "step_000004" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+    assert_same_state(whole, checkpoint.parent / "step_000004")
+    assert scalar_series(tmp_path / "runs" / "killed") == series
+
+
 def test_a_resume_on_another_stack_warns(tmp_path, monkeypatch, capsys):
     """A checkpoint saved on another vLLM: the resume says, in one line, that bitwise continuation holds only
     on the same stack, and names what changed. A checkpoint of the older format is refused in one line."""
