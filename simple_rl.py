@@ -384,11 +384,13 @@ class MoE(nn.Module):
         self.experts = nn.ParameterDict({"w13": nn.Parameter(torch.empty(m.num_experts, 2 * I, args.dim)),
                                          "w2": nn.Parameter(torch.empty(m.num_experts, args.dim, I))})
         self.routed = None  # the training forwards' tokens per expert, and their router entropy's sum
+        self.chosen = None  # the last forward's experts of each token (T, k)
 
     def forward(self, x) -> torch.Tensor:
         ops = self.kernels
         logits = ops.linear(x, self.router.gate.weight)  # (T, E)
         weights, ids = ops.route(logits, self.top_k, self.renormalize)  # (T, k) each
+        self.chosen = ids.detach()
         # For `routing_metrics`, in training forwards (a recomputation with --activation-checkpointing counts
         # again: the ratios stay); counted by adds of 1 in fp64: exact, whatever the order.
         if torch.is_grad_enabled():
@@ -414,6 +416,21 @@ def routing_metrics(model: nn.Module, world: World = World()) -> dict:
     return {name: float(value) for i, (row, e) in enumerate(zip(load, entropy))
             for name, value in ((f"expert_load_max_over_mean/layer_{i:02d}", row.max() / row.mean()),
                                 (f"router_entropy/layer_{i:02d}", e))}
+
+
+def expert_set_differences(model: nn.Module, batch, sampler_experts: list[torch.Tensor]) -> torch.Tensor:
+    """For a run without batch invariance: of the (token, layer) routings of `batch` (a PackedBatch) in the
+    trainer's last forward, how many chose another set of experts than vLLM's sampler (`sampler_experts`:
+    each sequence's, (tokens but its last, layers, k), as vLLM returns them), and how many were compared."""
+    ours = torch.stack([layer.moe.chosen for layer in model.layers], dim=1)  # (T, layers, k)
+    fed = torch.ones(len(ours), dtype=torch.bool, device=ours.device)
+    fed[batch.cu_seqlens[1:].long() - 1] = False  # a sequence's last token: vLLM never runs it
+    theirs = torch.cat(sampler_experts).to(ours.device, torch.int64)
+    if theirs.shape != ours[fed].shape:
+        raise RuntimeError(f"vLLM returned experts of {tuple(theirs.shape)} (tokens, layers, k); the "
+                           f"trainer routed {tuple(ours[fed].shape)}")
+    differ = (ours[fed].long().sort(-1).values != theirs.sort(-1).values).any(-1)
+    return torch.stack([differ.sum(), torch.tensor(differ.numel(), device=differ.device)]).double()
 
 
 class TransformerBlock(nn.Module):
@@ -596,13 +613,13 @@ def trainer_checksum(model: Qwen3, world: World) -> int:
     return int(world.sum(torch.tensor(weights_checksum(local_part(p) for p in model.parameters()))))
 
 
-
 # ===== vLLM engine, and the weight push =====
 class VLLMEngine:
     """vLLM in this process, on this GPU, token ids in and out; it knows the checksum of what it serves."""
 
     def __init__(self, model_dir: Path, gpu_memory_utilization: float, max_model_len: int, seed: int,
-                 cuda_graphs: bool = True, sleep_mode: bool = True, max_num_seqs: int = 256, **vllm_args):
+                 cuda_graphs: bool = True, sleep_mode: bool = True, max_num_seqs: int = 256,
+                 return_routed_experts: bool = False, **vllm_args):
         self.exact = os.environ.get("VLLM_BATCH_INVARIANT") == "1"  # then V2's runner: less host work a step
         os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER=str(int(self.exact)))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # quiet; =INFO brings vLLM's log back
@@ -616,9 +633,11 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",  # of the distribution sampled from: after T, top-k/p
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
             attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3}, max_num_seqs=max_num_seqs,
+            enable_return_routed_experts=return_routed_experts,  # a mixture of experts' choices, each token's
             **graphs, **vllm_args,  # more vllm.LLM arguments (tests give a second engine a fixed KV cache)
         )  # fmt: skip
         self.served_checksum = self.weights_checksum()
+        self.return_routed_experts, self.routed_experts = return_routed_experts, None  # the last generate's
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int],
                  stop_token_ids=(), ignore_eos: bool = False, top_k: int = 0, top_p: float = 1.0):
@@ -636,6 +655,8 @@ class VLLMEngine:
                 samples = [out.outputs[0] for out in self.llm.generate(
                     [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)]
                 completions = [list(s.token_ids) for s in samples]
+                if self.return_routed_experts:  # a sample's: (its tokens but the last, layers, k)
+                    self.routed_experts = [torch.from_numpy(s.routed_experts) for s in samples]
                 return completions, SAMPLED.read(completions) if recorded else [  # fp32 in Python floats
                     torch.tensor(s.logprobs.logprobs, dtype=torch.float32) for s in samples]
         finally:
@@ -772,7 +793,6 @@ def adamw_on_host(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
         yield master
 
 
-
 class MasterWeights:
     """AdamW on fp32 masters of this rank's bf16 parameters (its FSDP2 shards); their bf16 rounding is what
     the trainer and vLLM run. A step's gradients are summed in fp32 on each parameter (`main_grad`, as in
@@ -850,11 +870,9 @@ class MasterWeights:
         return float(norm), changes
 
 
-
 def weights_changed(changes: dict, world: World = World()) -> bool:
     """Whether `MasterWeights.step` changed a bf16 weight on any rank: then what vLLM serves must change."""
     return float(world.sum(torch.stack([square for square, _ in changes.values()]).sum())) > 0
-
 
 
 @dataclass
@@ -865,6 +883,7 @@ class Rollouts:
     vllm_logprobs: list[torch.Tensor]  # (len(completion),) fp32 each
     rewards: torch.Tensor  # (P * G,)
     advantages: torch.Tensor  # (P * G,)
+    sampler_experts: list[torch.Tensor] | None = None  # a mixture of experts' choices in vLLM, if returned
 
 
 def rollout(engine, tokenizer, rows: list[dict], args: Args, step: int, stop_ids,
@@ -879,7 +898,7 @@ def rollout(engine, tokenizer, rows: list[dict], args: Args, step: int, stop_ids
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards = torch.tensor([gsm8k_reward(text, rows[i // G]["answer"]) for i, text in enumerate(texts)])
     advantages = group_advantages(rewards, G, args.loss.std_normalize)
-    return Rollouts(prompts, completions, logprobs, rewards, advantages)
+    return Rollouts(prompts, completions, logprobs, rewards, advantages, engine.routed_experts)
 
 
 def evaluate(engine, tokenizer, rows: list[dict], max_new_tokens: int, stop_ids,
@@ -893,7 +912,6 @@ def evaluate(engine, tokenizer, rows: list[dict], max_new_tokens: int, stop_ids,
     return float(world.sum(torch.tensor(correct, dtype=torch.float64))) / len(rows)
 
 
-
 def reference_policy(model: Qwen3) -> Qwen3:
     """A frozen copy of the policy (KL's reference), whole: shard it as the policy is."""
     with torch.device(model.device):
@@ -902,7 +920,6 @@ def reference_policy(model: Qwen3) -> Qwen3:
         for p, ref in zip(model.parameters(), ref_model.parameters(), strict=True):
             ref.copy_(gathered(p))  # one gathered weight at a time
     return ref_model
-
 
 
 @torch.no_grad()
@@ -916,7 +933,6 @@ def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, args: Args,
     return out
 
 
-
 def reduce_gradients_after(model: Qwen3, last: bool) -> None:
     """Before a micro-batch. FSDP2's default gathers each block's weights in every micro-batch's forward and
     backward, and reduce-scatters its gradients after it. With `keep_gathered` the weights stay gathered and
@@ -928,14 +944,13 @@ def reduce_gradients_after(model: Qwen3, last: bool) -> None:
         model.set_reshard_after_backward(last)
 
 
-
 def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts, ref_logprobs, args: Args,
                       world: World = World()):
     """Forward + backward in micro-batches. Returns the loss terms' per-token means and the logprobs per
     sample, which parity checks against vLLM (no extra forward)."""
     device, s, budget = model.device, args.sampling, args.engine.max_tokens_per_microbatch
     n_tokens = int(world.sum(torch.tensor(sum(len(c) for c in rollouts.completions), device=device)))
-    sums, logprobs = [], []  # per micro-batch, kept on the GPU
+    sums, logprobs, routings = [], [], []  # per micro-batch, kept on the GPU
     optimizer.zero_grads()
     batches = packed_micro_batches(rollouts.prompts, rollouts.completions, budget, device, world)
     # Copied to the GPU before the loop: a copy from host memory waits for the GPU to run all it was given.
@@ -944,6 +959,8 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     for i, ((idx, batch), (advantages, sampler)) in enumerate(zip(batches, per_token)):
         reduce_gradients_after(model, last=i == len(batches) - 1)  # several GPUs: once a step, if it fits
         policy = model(batch, s.temperature, s.top_k, s.top_p)
+        if rollouts.sampler_experts is not None:
+            routings.append(expert_set_differences(model, batch, [rollouts.sampler_experts[j] for j in idx]))
         ref = None if ref_logprobs is None else torch.cat([ref_logprobs[i] for i in idx])
         loss, terms = grpo_loss(policy, sampler, advantages, lengths=batch.completion_lens, ref_logprobs=ref,
                                 n_tokens=n_tokens, cfg=args.loss)
@@ -960,6 +977,9 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     if s.top_k == 0 and s.top_p == 1:  # every token kept: nothing to report
         del metrics["kept_tokens"], metrics["cut_mass"]
     metrics |= routing_metrics(model, world)
+    if routings:  # the share of tokens' routings (token, layer) to another set of experts than the sampler's
+        differ, compared = world.sum(torch.stack(routings).sum(0)).tolist()
+        metrics["expert_set_differs"] = differ / compared
     return metrics, list(torch.cat(logprobs).cpu().split([len(c) for c in rollouts.completions]))
 
 
@@ -982,12 +1002,10 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
     return float(world.sum(torch.tensor(total, dtype=torch.float64)))
 
 
-
 # ===== Parity: every sampled token's logprob, compared bit for bit =====
 
 class ParityError(Exception):
     """A sampled token whose trainer logprob is not bitwise vLLM's (exit status 1)."""
-
 
 
 SAMPLER_PROBABILITY_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
@@ -1005,7 +1023,6 @@ def mismatch_by_probability(v: torch.Tensor, t: torch.Tensor) -> dict:
             metrics[f"{name}/vllm_kl"] = float(k3_kl(v[tokens], t[tokens]).mean())
             metrics[f"{name}/token_frac"] = float(tokens.float().mean())
     return metrics
-
 
 
 Mismatch = NamedTuple("Mismatch", [("message", str), ("sample", int), ("token", int)])
@@ -1033,7 +1050,6 @@ def compare_bits(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch
     return metrics, Mismatch(message, sample, token)
 
 
-
 def gather_step(rollouts: Rollouts, trainer_logprobs: list, world: World = World()) -> tuple[Rollouts, list]:
     """Every rank's samples and trainer logprobs in rank (= sample) order: parity sees the whole step."""
     if world.size == 1:
@@ -1052,7 +1068,6 @@ def gather_step(rollouts: Rollouts, trainer_logprobs: list, world: World = World
     return step, gathered_list(trainer_logprobs, torch.float32, completion_lens)
 
 
-
 def find_first_divergence(engine: VLLMEngine, model: Qwen3, tokens: list[int]) -> str:
     """Both sides' tensors of a prefill of `tokens`, compared in forward order (batch_invariant_backward)."""
     batch = pack_sequences([tokens[:-1]], [tokens[-1:]], model.device)
@@ -1060,7 +1075,6 @@ def find_first_divergence(engine: VLLMEngine, model: Qwen3, tokens: list[int]) -
         return first_divergence(trainer_trace(model, batch), vllm_trace(engine.llm, tokens))
     except Exception as e:  # a diagnostic must not hide the error it diagnoses
         return f"not found, the locator failed ({type(e).__name__}: {e})"
-
 
 
 def on_mismatch(first: Mismatch, engine, model: Qwen3, rollouts: Rollouts, parity: dict, step: int,
@@ -1075,7 +1089,6 @@ def on_mismatch(first: Mismatch, engine, model: Qwen3, rollouts: Rollouts, parit
         raise ParityError(message)
     log_line(message, world)
     engine.sleep()  # the trainer goes on
-
 
 
 # ===== The loop, and main() =====
@@ -1181,9 +1194,12 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
     torch.manual_seed(args.data.seed)
     # torchrun: an engine a rank (vLLM's external launcher, no vLLM data parallelism) samples alone.
     parallel = {"distributed_executor_backend": "external_launcher"} if world.size > 1 else {}
+    # Without batch invariance, a mixture of experts' sampler and trainer can route a token otherwise: logged.
+    inexact_moe = inputs.shape.args.moe_enabled and os.environ.get("VLLM_BATCH_INVARIANT") != "1"
     engine = engine_class(inputs.model_dir, args.engine.vllm_gpu_memory,  # first: claims an empty GPU
                           args.data.max_prompt_tokens + args.sampling.max_new_tokens, args.data.seed,
-                          cuda_graphs=args.engine.vllm_cuda_graphs, **parallel)
+                          cuda_graphs=args.engine.vllm_cuda_graphs, return_routed_experts=inexact_moe,
+                          **parallel)
     model = load_qwen3(inputs.model_dir, device,
                        activation_checkpointing=args.engine.activation_checkpointing)
     if world.size > 1:

@@ -46,7 +46,8 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> 
     world = simple_rl.World(rank, size)
     if size > 1:  # this rank's whole groups, as the script deals them
         share = world.share(len(rollouts.prompts))
-        rollouts = simple_rl.Rollouts(*(getattr(rollouts, f.name)[share] for f in dataclasses.fields(rollouts)))
+        rollouts = dataclasses.replace(rollouts, **{f.name: getattr(rollouts, f.name)[share]
+                                                    for f in dataclasses.fields(rollouts) if f.name != "sampler_experts"})
         plumbing.shard_model(model, world, keep_gathered)
     checksum = simple_rl.trainer_checksum(model, world)  # of the whole weights, from the shards
     locator = trace(model, rollouts.prompts[0] + rollouts.completions[0])  # the locator's

@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from conftest import qwen3_config, start_engine, write_checkpoint, write_gsm8k_model
 from test_gpu import count_mismatches, relative_error, sample, trainer_logprobs
 from test_gpu_rl import (STEPS, check_a_kill_and_resume, check_the_checkpoint_serves_the_trainers_bits, run,
@@ -174,7 +175,8 @@ def test_the_qwen3_30b_a3b_shape_trains_exactly(tmp_path):
 def test_an_inexact_moe_run_locates_where_the_bits_part(tmp_path):
     """Batch invariance off and --locate-divergence on a mixture of experts: each step's first mismatching
     sample is traced through vLLM's modules (its router and experts among them) and the trainer's, and the
-    first op whose bits differ is named."""
+    first op whose bits differ is named; vLLM returns each token's experts, and the share of routings to
+    another set than the trainer's is logged."""
     model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", **MOE_RUN)
     command, env = script_command(tmp_path, model_dir, "located", batch_invariant=False,
                                   extra=["--locate-divergence"])
@@ -187,3 +189,7 @@ def test_an_inexact_moe_run_locates_where_the_bits_part(tmp_path):
            "router", "experts")
     named = re.compile(r"first divergence: layer \d+ (" + "|".join(ops) + "): ")
     assert len(located) == 2 and all(named.search(line) for line in located), located
+    # vLLM (V1 runner, enable_return_routed_experts) returned each token's experts: the share routed otherwise
+    differs = values(EventAccumulator(str(tmp_path / "runs" / "located")).Reload(), "train/expert_set_differs")
+    print(f"[MoE, batch invariance off] share of (token, layer) routings to other experts: {differs}")
+    assert len(differs) == 2 and all(0 <= v <= 1 for v in differs)

@@ -385,3 +385,23 @@ def test_routing_metrics_count_the_training_forwards_tokens():
     assert all(1 <= metrics[f"expert_load_max_over_mean/layer_{i:02d}"] <= 6 / 2 for i in range(2))
     assert all(0 < metrics[f"router_entropy/layer_{i:02d}"] <= math.log(6) for i in range(2))
     assert simple_rl.routing_metrics(model) == {}
+
+
+def test_the_tokens_routed_to_other_experts_than_the_samplers_are_counted():
+    """`expert_set_differences`: a (token, layer) routing counts when its set of experts differs from the
+    sampler's, whatever their order; each sequence's last token, which vLLM never runs, is not compared."""
+    config = MOE_CONFIGS["moe"]
+    args = simple_rl.model_args_from_hf_config(config)
+    model = simple_rl.Qwen3(args, EXACT, torch.float32)
+    model.load_state_dict(simple_rl.from_hf_state_dict(random_hf_weights(config, seed=2, dtype=torch.float32), args))
+    seqs = random_sequences(config["vocab_size"], [7, 12], seed=4)
+    batch = simple_rl.pack_sequences([s[:3] for s in seqs], [s[3:] for s in seqs], "cpu")
+    with torch.no_grad():
+        model(batch)
+    chosen = torch.stack([layer.moe.chosen for layer in model.layers], 1)  # (19, 2 layers, 2)
+    sampler = [chosen[:6].flip(-1), chosen[7:18].clone()]  # the same sets, in another order
+    assert simple_rl.expert_set_differences(model, batch, sampler).tolist() == [0, 17 * 2]
+    sampler[1][4, 1] = torch.tensor([e for e in range(6) if e not in chosen[11, 1].tolist()][:2])  # token 11
+    assert simple_rl.expert_set_differences(model, batch, sampler).tolist() == [1, 17 * 2]
+    with pytest.raises(RuntimeError, match=r"vLLM returned experts of \(16, 2, 2\)"):
+        simple_rl.expert_set_differences(model, batch, [chosen[:5], chosen[7:18]])

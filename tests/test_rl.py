@@ -701,9 +701,10 @@ class TrainerAsSampler(simple_rl.VLLMEngine):
     sleep-mode protocol: generate only when awake, push only into woken weights (their contents lost while
     asleep, as vLLM's level-2 sleep loses them). The weight sync and check are VLLMEngine's own."""
 
-    def __init__(self, model_dir, gpu_memory_utilization, max_model_len, seed, cuda_graphs, **vllm_args):
+    def __init__(self, model_dir, gpu_memory_utilization, max_model_len, seed, cuda_graphs,
+                 return_routed_experts=False, **vllm_args):
         self.model = simple_rl.load_qwen3(model_dir, "cpu")
-        self.vllm_args = vllm_args
+        self.vllm_args, self.return_routed_experts, self.routed_experts = vllm_args, return_routed_experts, None
         self.asleep, self.calls = set(), []
         self.served_checksum = self.weights_checksum()
 
@@ -744,6 +745,11 @@ class TrainerAsSampler(simple_rl.VLLMEngine):
             # vLLM's processed logprobs: of the distribution sampled from (a greedy request's at T = 1).
             logprobs.append(self.model(batch, temperature or 1.0, top_k if temperature else 0,
                                        top_p if temperature else 1.0).logprobs)
+        if self.return_routed_experts:  # as vLLM returns them: each token's experts but the last's
+            self.routed_experts = []
+            for prompt, completion in zip(prompts, completions):
+                self.model(simple_rl.pack_sequences([prompt], [completion], "cpu"))
+                self.routed_experts.append(torch.stack([layer.moe.chosen[:-1] for layer in self.model.layers], 1))
         return completions, logprobs
 
     def push_weights(self, model):
@@ -1082,6 +1088,15 @@ def test_a_mixture_of_experts_run_logs_its_routing_saves_and_resumes_bit_for_bit
     assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
     assert_same_state(whole, checkpoint.parent / "step_000004")
     assert scalar_series(tmp_path / "runs" / "killed") == series
+    assert "train/expert_set_differs" not in series  # batch-invariant: the bits, and so the experts, are vLLM's
+
+    # Without batch invariance, vLLM returns each token's experts and the share routed otherwise is logged.
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    engines = []
+    run_dir = simple_rl.main(small_run(model_dir, **flags | dict(steps=2, save_every=-1), run_name="inexact"),
+                             device="cpu", engine_class=recording(engines))
+    assert engines[0].return_routed_experts
+    assert [v for _, v in scalar_series(run_dir)["train/expert_set_differs"]] == [0.0, 0.0]  # one model samples
 
 
 def test_a_resume_on_another_stack_warns(tmp_path, monkeypatch, capsys):
