@@ -346,6 +346,7 @@ def test_two_nodes_run_as_one_node_of_two_processes(tmp_path):
         port = str(free_port())
         agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
                                     str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                                    "--log-dir", str(tmp_path / f"torchrun{node}"),
                                     "--master-port", port, str(script), json.dumps(flags)], cwd=tmp_path / "two_nodes",
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
         outputs = [agent.communicate(timeout=600)[0] for agent in agents]

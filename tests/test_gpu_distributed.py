@@ -26,7 +26,8 @@ STEPS = 3
 def two_gpu_command(tmp_path, model_dir, name, extra=()) -> tuple[list[str], dict]:
     command, env = script_command(tmp_path, model_dir, name, batch_invariant=True,
                                   extra=["--steps", str(STEPS), "--eval-every", "0", *extra])
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *command[1:]], env
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--log-dir", str(tmp_path / f"torchrun_{name}"), *command[1:]], env
 
 
 def finish(command, env, tmp_path, name):
@@ -74,11 +75,12 @@ def test_two_nodes_give_the_bits_of_one_node_and_resume(model_dir, tmp_path):
     (tmp_path / "two").mkdir()
     command, env = two_gpu_command(tmp_path, model_dir, "run", extra=["--save-every", "1"])
     one, weights_one = finish(command, env, tmp_path / "one", "run")
-    script = command[command.index("--nproc-per-node") + 2:]
+    script = command[command.index("--log-dir") + 2:]  # simple_rl.py and its flags
     port = str(29500 + os.getpid() % 1000)
     sockets = env | {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                                str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+                                str(node), "--nproc-per-node", "1", "--log-dir", str(tmp_path / f"torchrun{node}"),
+                                "--master-addr", "127.0.0.1", "--master-port",
                                 port, *script], cwd=tmp_path / "two", env=sockets | {"CUDA_VISIBLE_DEVICES": str(node)},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
     outputs = [agent.communicate(timeout=900)[0] for agent in agents]

@@ -321,8 +321,10 @@ def test_flags_are_checked_before_torch_loads(tmp_path):
 def test_under_torchrun_a_bad_flag_is_the_root_cause_torchrun_names(tmp_path, flags, message):
     """torchrun prints its own banner, traceback and failure summary, which no script can suppress; each rank
     records the script's line in torchrun's error file, so the summary's root cause ends with it."""
+    # --log-dir: torchrun's own log folders go there, not to a /tmp/torchelastic_* left behind
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             str(REPO / "simple_rl.py"), *flags], capture_output=True, text=True,
+                             "--log-dir", str(tmp_path / "torchrun"), str(REPO / "simple_rl.py"), *flags],
+                            capture_output=True, text=True,
                             cwd=tmp_path, env=os.environ | ON, timeout=300)
     lines = [line for line in result.stderr.splitlines() if line.strip(" =")]
     print(f"\n[torchrun, a bad flag] {len(result.stderr.splitlines())} lines on stderr")
