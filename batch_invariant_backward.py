@@ -84,9 +84,10 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     out, pair_ids, pair_weights = x.new_zeros(x.shape, dtype=acc), ids.reshape(-1), weights.reshape(-1)
     for e in pair_ids.unique().tolist():
         pairs = (pair_ids == e).nonzero().squeeze(1)  # the (token, k) pairs routed to expert e
-        act = silu_and_mul_reference(linear_reference(x[pairs // k], w13[e]))
+        tokens = pairs // k
+        act = silu_and_mul_reference(linear_reference(x[tokens], w13[e]))
         y = F.linear(act.to(acc), w2[e].to(acc)) * pair_weights[pairs, None].to(acc)
-        out = out.index_add(0, pairs // k, y.to(x.dtype).to(acc))
+        out = out.index_add(0, tokens, y.to(x.dtype).to(acc))
     return out.to(x.dtype)
 
 

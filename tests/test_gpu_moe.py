@@ -8,16 +8,13 @@ mixture of experts exactly, end to end, resumes after kill -9 bit for bit, and i
 and transformers. Engines here run without sleep mode (vLLM allows one sleep-mode engine per process); the
 script's runs (subprocesses) sleep and push every step."""
 
-import re
-import subprocess
-
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from conftest import qwen3_config, start_engine, write_checkpoint, write_gsm8k_model
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_gpu import count_mismatches, relative_error, sample, trainer_logprobs
-from test_gpu_rl import (STEPS, check_a_kill_and_resume, check_the_checkpoint_serves_the_trainers_bits, run,
-                         script_command, values)
+from test_gpu_rl import (STEPS, check_a_kill_and_resume, check_the_checkpoint_serves_the_trainers_bits,
+                         locate_divergences, run, values)
 
 import simple_rl
 from batch_invariant_backward import EXACT, REFERENCE
@@ -178,17 +175,8 @@ def test_an_inexact_moe_run_locates_where_the_bits_part(tmp_path):
     first op whose bits differ is named; vLLM returns each token's experts, and the share of routings to
     another set than the trainer's is logged."""
     model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", **MOE_RUN)
-    command, env = script_command(tmp_path, model_dir, "located", batch_invariant=False,
-                                  extra=["--locate-divergence"])
-    command[command.index("--steps") + 1] = "2"
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    located = [line for line in result.stdout.splitlines() if "first divergence: " in line]
+    located = locate_divergences(tmp_path, model_dir, ("router", "experts"))
     print("\n[MoE locator, batch invariance off] " + "\n".join(located))
-    ops = ("residual_in", "residual", *simple_rl.TransformerBlock.KERNEL_CALLS, *simple_rl.Attention.KERNEL_CALLS,
-           "router", "experts")
-    named = re.compile(r"first divergence: layer \d+ (" + "|".join(ops) + "): ")
-    assert len(located) == 2 and all(named.search(line) for line in located), located
     # vLLM (V1 runner, enable_return_routed_experts) returned each token's experts: the share routed otherwise
     differs = values(EventAccumulator(str(tmp_path / "runs" / "located")).Reload(), "train/expert_set_differs")
     print(f"[MoE, batch invariance off] share of (token, layer) routings to other experts: {differs}")

@@ -180,19 +180,25 @@ def test_an_inexact_run_locates_where_the_bits_part(tmp_path):
     the run goes on."""
     model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", hidden=256, layers=4, heads=4, kv_heads=2,
                                   head_dim=128, intermediate=768)
+    located = locate_divergences(tmp_path, model_dir, simple_rl.FeedForward.KERNEL_CALLS)
+    print("\n[locator, batch invariance off] " + "\n".join(located))
+
+
+def locate_divergences(tmp_path, model_dir: Path, ffn_ops) -> list[str]:
+    """Two steps of a run without batch invariance, with --locate-divergence: its 'first divergence' lines.
+    Which op parts first depends on the batch (vLLM's kernels without batch invariance); each line must name a
+    layer and one of its ops (`ffn_ops`: the feed-forward's)."""
     command, env = script_command(tmp_path, model_dir, "located", batch_invariant=False,
                                   extra=["--locate-divergence"])
     command[command.index("--steps") + 1] = "2"
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     located = [line for line in result.stdout.splitlines() if "first divergence: " in line]
-    print("\n[locator, batch invariance off] " + "\n".join(located))
-    # Which op parts first depends on the batch (vLLM's kernels without batch invariance); each line
-    # must name a layer and one of its ops.
     ops = ("residual_in", "residual", *simple_rl.TransformerBlock.KERNEL_CALLS, *simple_rl.Attention.KERNEL_CALLS,
-           *simple_rl.FeedForward.KERNEL_CALLS)
+           *ffn_ops)
     named = re.compile(r"first divergence: layer \d+ (" + "|".join(ops) + "): ")
     assert len(located) == 2 and all(named.search(line) for line in located), located
+    return located
 
 
 def test_qwen3_thinking_mode_sampling_is_bitwise(tmp_path):

@@ -50,7 +50,11 @@ def test_logits_match_transformers(name, kernels, tmp_path):
     model = simple_rl.Qwen3(args, kernels, dtype=torch.float32)
     model.load_state_dict(simple_rl.from_hf_state_dict(hf_weights, args))
 
-    seqs = random_sequences(config["vocab_size"], [9, 1, 23, 4])
+    assert_logits_match(model, hf, random_sequences(config["vocab_size"], [9, 1, 23, 4]))
+
+
+def assert_logits_match(model, hf, seqs) -> None:
+    """The trainer's logits at every position of `seqs` (packed), each sequence's transformers' (one at a time)."""
     # Every token but each sequence's first as a "completion": logits at every position.
     batch = simple_rl.pack_sequences([s[:1] for s in seqs], [s[1:] for s in seqs], "cpu")
     with torch.no_grad():
@@ -70,14 +74,7 @@ def test_moe_logits_match_transformers(name, kernels, tmp_path):
     src = write_checkpoint(tmp_path / "src", MOE_CONFIGS[name], seed=1)
     hf = Qwen3MoeForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     model = simple_rl.load_qwen3(src, "cpu", kernels, dtype=torch.float32)
-    seqs = random_sequences(MOE_CONFIGS[name]["vocab_size"], [9, 1, 23], seed=2)
-    batch = simple_rl.pack_sequences([s[:1] for s in seqs], [s[1:] for s in seqs], "cpu")
-    with torch.no_grad():
-        hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
-        logits = torch.nn.functional.linear(hidden, model.output_weight)
-        bounds = batch.cu_seqlens.tolist()
-        for seq, start, end in zip(seqs, bounds, bounds[1:]):
-            torch.testing.assert_close(logits[start:end], hf(torch.tensor([seq])).logits[0], rtol=1e-5, atol=1e-5)
+    assert_logits_match(model, hf, random_sequences(MOE_CONFIGS[name]["vocab_size"], [9, 1, 23], seed=2))
 
 
 @pytest.mark.parametrize("name", list(ALL_CONFIGS))
