@@ -23,6 +23,7 @@ Shapes: T tokens packed back to back (no padding), H query heads, Hk key/value h
 import dataclasses
 import functools
 import itertools
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -1246,18 +1247,41 @@ def exact_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_
     Gumbel-max draw, keyed by each request's seed and position, from the logits processed by the ops the
     trainer mirrors (`divide_by_temperature`, `top_k_top_p`). While `SAMPLED` records, each drawn token's
     processed logprob (`token_logprobs`: the log-softmax's bits at that token, the trainer's) is kept in its
-    request's row, at its draw count (the tokens it drew before: position + 1 - prompt). vLLM discards the
-    draw of a prefill chunk before its last (a prompt's, or a recompute's after preemption), and `SAMPLED`
-    does not keep it."""
+    request's row (`recorded_row`), at its draw count (the tokens it drew before: position + 1 - prompt).
+    vLLM discards the draw of a prefill chunk before its last (a prompt's, or a recompute's after
+    preemption), and `SAMPLED` does not keep it."""
     sampled, processed = vllm_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
                                      expanded_local_pos)
     if SAMPLED.tokens is not None:
         at, requests = expanded_idx_mapping, self.penalties_state.req_states  # a row's request state slot
         draws = pos - requests.prompt_len.gpu[at] + 1
         kept = pos >= requests.prefill_len.gpu[at] - 1  # else a prefill chunk before its last
-        SAMPLED.record(self.sampling_states.seeds.gpu[at], torch.where(kept, draws, -1), sampled,
+        SAMPLED.record(self.recorded_rows[at], torch.where(kept, draws, -1), sampled,
                        token_logprobs(processed, sampled))
     return sampled, processed
+
+
+def recorded_row(self, req_idx: int, prompt_len: int, sampling_params, *, vllm_add_request: Callable) -> None:
+    """vLLM 0.20's V2 `Sampler.add_request`, which also notes in the request's state slot the row `SAMPLED`
+    keeps its draws in: `SamplingParams.extra_args["recorded_row"]` (-1 without: a row not recorded). A row
+    names a request, whatever its seed: requests may share one, or have none, as vLLM allows."""
+    vllm_add_request(self, req_idx, prompt_len, sampling_params)
+    if not hasattr(self, "recorded_rows"):
+        self.recorded_rows = torch.full_like(self.sampling_states.seeds.gpu, -1)
+    self.recorded_rows[req_idx] = (sampling_params.extra_args or {}).get("recorded_row", -1)
+
+
+def exact_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.20's V2 `compute_token_logprobs` ((rows, V) logits, (rows, n) token ids -> their fp32
+    logprobs), through which its sampled, greedy and prompt logprobs all pass, with the trainer's bits
+    (`split_token_logprobs`, or `split_log_softmax` for more than one token a row). vLLM's own Triton kernel
+    sums a row's exponentials in another order, compiled apart for bf16 (prompt) and fp32 (sampler) logits:
+    a prompt token's logprob was one ulp off the trainer's for 3% of tokens, a greedy one's off its prompt
+    logprob's for a fifth."""
+    x = logits.float()
+    if token_ids.shape[1] == 1:
+        return token_logprobs(x, token_ids[:, 0].long())[:, None]
+    return log_softmax(x).gather(1, token_ids.long())
 
 
 def divide_by_temperature(self, logits, expanded_idx_mapping, idx_mapping_np) -> None:
@@ -1272,38 +1296,36 @@ def divide_by_temperature(self, logits, expanded_idx_mapping, idx_mapping_np) ->
 
 class SampledLogprobs:
     """The processed logprob of each token the exact sampler (`exact_sample`) draws, kept on the GPU (a row
-    per request, a column per draw) inside `recording(seeds, ...)`. vLLM's own way to the same values
+    per request, a column per draw) inside `recording(requests, ...)`; a request's row is given by its
+    `SamplingParams(extra_args={"recorded_row": row})`. vLLM's own way to the same values
     (`SamplingParams(logprobs=0)`) makes Python objects of each, request by request at every step, in the host
     work that bounds a decode step: on an H100, 256 sequences of 512 tokens took 6.8-8.5 s with it and
     5.7-6.5 s without."""
 
     def __init__(self):
-        self.seeds = self.rows = self.tokens = self.logprobs = None  # set while recording
+        self.tokens = self.logprobs = None  # set while recording
 
     @contextmanager
-    def recording(self, seeds: list[int], draws: int, device):
-        if len(set(seeds)) != len(seeds):
-            raise ValueError("recording needs one seed per request: a seed names its row")
-        self.seeds, self.rows = (t.to(device) for t in torch.tensor(seeds, dtype=torch.int64).sort())
-        # A row more, for a draw whose seed is not among `seeds` (a request left in the engine): `read`
-        # refuses. A column more, for what no completion keeps: a prompt chunk's draw, which vLLM discards,
-        # and one past the last (async scheduling may draw once past a stop token).
-        self.tokens = torch.full((len(seeds) + 1, draws + 1), -1, dtype=torch.int64, device=device)
-        self.logprobs = torch.full((len(seeds) + 1, draws + 1), float("nan"), device=device)
+    def recording(self, requests: int, draws: int, device):
+        # A row more, for a draw of a request not recorded (one left in the engine): `read` refuses. A column
+        # more, for what no completion keeps: a prompt chunk's draw, which vLLM discards, and one past the
+        # last (async scheduling may draw once past a stop token).
+        self.tokens = torch.full((requests + 1, draws + 1), -1, dtype=torch.int64, device=device)
+        self.logprobs = torch.full((requests + 1, draws + 1), float("nan"), device=device)
         try:
             yield self
         finally:
-            self.seeds = self.rows = self.tokens = self.logprobs = None
+            self.tokens = self.logprobs = None
 
-    def record(self, seeds: torch.Tensor, draws: torch.Tensor, sampled: torch.Tensor,
+    def record(self, rows: torch.Tensor, draws: torch.Tensor, sampled: torch.Tensor,
                logprobs: torch.Tensor) -> None:
-        """A step's rows: each one's request seed and draw count (negative: a draw vLLM discards), the token
-        drawn and its processed logprob. A request's draw count names its column."""
+        """A step's draws: each one's request row (not in 0..requests-1: a request not recorded) and draw
+        count (negative: a draw vLLM discards), the token drawn and its processed logprob. A request's draw
+        count names its column."""
         if self.tokens is None:
             return
-        at = torch.searchsorted(self.seeds, seeds).clamp(max=len(self.seeds) - 1)
-        rows = torch.where(self.seeds[at] == seeds, self.rows[at], len(self.seeds))  # else the spare row
-        spare = self.tokens.shape[1] - 1
+        spare_row, spare = self.tokens.shape[0] - 1, self.tokens.shape[1] - 1
+        rows = torch.where((rows >= 0) & (rows < spare_row), rows, spare_row)
         columns, sampled = torch.where(draws < 0, spare, draws.clamp(max=spare)), sampled.long()
         self.tokens[rows, columns] = sampled
         self.logprobs[rows, columns] = logprobs
@@ -1312,7 +1334,7 @@ class SampledLogprobs:
         """Each completion's logprobs (fp32, CPU), once its tokens are checked against those recorded."""
         tokens, logprobs = self.tokens.cpu(), self.logprobs.cpu()
         if (tokens[-1] != -1).any():
-            raise RuntimeError("vLLM's sampler drew for a request with a seed not being recorded")
+            raise RuntimeError("vLLM's sampler drew for a request not being recorded")
         for row, completion in enumerate(completions):
             if tokens[row, : len(completion)].tolist() != completion:
                 raise RuntimeError(f"request {row}: vLLM's tokens are not those its sampler drew")
@@ -1329,10 +1351,12 @@ def install_exact_kernels() -> None:
     as does the log-softmax's program a row (`split_log_softmax`, fp32 rows), and the RMSNorm copies q and k
     before it runs (`rms_norm_rows`, the residual add fused in). The V2 model runner's sampler
     (`exact_sample`) divides by T as the trainer does and keeps each drawn token's logprob on the GPU
-    (`SAMPLED`). And hold the rotary table in fp32, like the trainer (`rope_cos_sin_cache`)."""
+    (`SAMPLED`, in the row its request names: `recorded_row`); every logprob vLLM returns (sampled, greedy,
+    prompt) is the trainer's log-softmax's (`exact_token_logprobs`). And hold the rotary table in fp32, like
+    the trainer (`rope_cos_sin_cache`)."""
     from vllm.model_executor.layers import batch_invariant, layernorm, linear, vocab_parallel_embedding
     from vllm.model_executor.layers.rotary_embedding import base as rotary
-    from vllm.v1.worker.gpu.sample import sampler, states
+    from vllm.v1.worker.gpu.sample import logprob, sampler, states
 
     def fused_add_rms_norm(x, residual, weight, variance_epsilon):  # a bf16 add, then the Triton norm
         return rms_norm_rows(x, weight, variance_epsilon, residual)
@@ -1353,11 +1377,15 @@ def install_exact_kernels() -> None:
     linear.linear_batch_invariant = vocab_parallel_embedding.linear_batch_invariant = tiled_linear
     states.apply_top_k_top_p = top_k_top_p  # bound at import: V2's sampler calls this name
     states.SamplingStates.apply_temperature = divide_by_temperature
-    vllm_sample = sampler.Sampler.sample
+    logprob.compute_token_logprobs = exact_token_logprobs  # a global of compute_topk_logprobs
+    vllm_sample, vllm_add_request = sampler.Sampler.sample, sampler.Sampler.add_request
     if vllm_sample.__module__ == sampler.__name__:  # not installed yet
         def sample(self, *args):
             return exact_sample(self, *args, vllm_sample=vllm_sample)
-        sampler.Sampler.sample = sample
+
+        def add_request(self, *args):
+            recorded_row(self, *args, vllm_add_request=vllm_add_request)
+        sampler.Sampler.sample, sampler.Sampler.add_request = sample, add_request
 
 
 def restore_block_table_pointers(worker) -> None:
@@ -1371,6 +1399,43 @@ def restore_block_table_pointers(worker) -> None:
                            (tables.block_table_strides, [t.gpu.stride(0) for t in tables.block_tables]),
                            (tables.block_sizes_tensor, tables.block_sizes)):
         tensor.copy_(torch.tensor(values, dtype=tensor.dtype))
+
+
+# vLLM 0.20's Qwen3 and Qwen3-MoE parameter names, rewritten in this order, are the trainer's: torchtitan's
+# names, in the merged layout vLLM serves (q/k/v, gate/up, each expert's gate/up), tensor for tensor.
+SERVED_NAMES = (("model.embed_tokens.", "tok_embeddings."), ("model.norm.", "norm."), ("lm_head.", "output."),
+                ("model.layers.", "layers."), (".input_layernorm.", ".attention_norm."),
+                (".post_attention_layernorm.", ".ffn_norm."), (".self_attn.qkv_proj.", ".attention.wqkv."),
+                (".self_attn.o_proj.", ".attention.wo."), (".self_attn.", ".attention."),
+                (".mlp.gate_up_proj.", ".feed_forward.w13."), (".mlp.down_proj.", ".feed_forward.w2."),
+                (".mlp.gate.", ".moe.router.gate."), (".mlp.experts.w13_weight", ".moe.experts.w13"),
+                (".mlp.experts.w2_weight", ".moe.experts.w2"))
+
+
+def trainer_name(served: str) -> str:
+    for theirs, ours in SERVED_NAMES:
+        served = served.replace(theirs, ours)
+    return served
+
+
+def tensor_checksum(name: str, t: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+    """A weight's checksum (an int64 on its device): its bit patterns (int16s) summed, each weighted by its row
+    (counted from `first_row`: a shard's place in the whole tensor) plus its column, times an odd number
+    drawn from the name. Integer sums wrap in int64 and are exact in any order, so shards on several ranks add
+    up to the whole's; a row moved, a column moved, or a tensor's contents in another's place change it."""
+    t = t.detach()
+    bits = (t.flatten(1) if t.dim() > 1 else t.reshape(-1, 1)).view(torch.int16)  # (rows, columns)
+    rows = torch.arange(first_row + 1, first_row + 1 + bits.shape[0], device=bits.device)
+    columns = torch.arange(1, bits.shape[1] + 1, device=bits.device)
+    weighted = ((rows * bits.sum(1, dtype=torch.int64)).sum()
+                + (columns * bits.sum(0, dtype=torch.int64)).sum())
+    return weighted * (2 * zlib.crc32(name.encode()) + 1)
+
+
+def served_checksum(served: torch.nn.Module) -> int:
+    """The checksum of the weights vLLM serves (its model, through `LLM.apply_model`), by the trainer's names:
+    equal to the trainer's own (`tensor_checksum` of each parameter) when it serves the same tensors."""
+    return int(sum(tensor_checksum(trainer_name(name), p) for name, p in served.named_parameters()))
 
 
 def rope_cos_sin_cache(args, dtype: torch.dtype) -> torch.Tensor:

@@ -393,7 +393,8 @@ def run_side(side: str, ckpt: Path, args) -> dict:
     (step, checkpoints, pinning), startup = runner, time.perf_counter() - start
     results = [step(i) for i in range(1 + args.iters)][1:]  # the first step warms up
     # after the timed steps: saving steps and the steps beneath their writes, against them
-    saves = None if standard else saving_steps(step, checkpoints, 1 + args.iters, args.save_every)
+    saves = None if standard or not args.save_every else saving_steps(step, checkpoints, 1 + args.iters,
+                                                                       args.save_every)
     if args.profile and not standard:  # last: a profiled step runs slower, and no timed step comes after it
         profile_train_phase(step, 1 + args.iters + 2 * args.save_every)
     return {
@@ -564,7 +565,8 @@ def step_benchmark(args) -> dict:
         print(f"  {name}: a vLLM engine step's median, timed step by step: "
               + ", ".join(f"{ms:.1f}" for ms in r["engine_step_ms"]) + " ms; its model forward on the GPU: "
               + ", ".join(f"{ms:.1f}" for ms in r["forward_ms"]) + " ms")
-    print(save_lines(exact["saves"], args.save_every))
+    if exact["saves"]:
+        print(save_lines(exact["saves"], args.save_every))
     results["step_ratio"] = exact["step"] / standard["step"]
     return results
 
@@ -1103,7 +1105,8 @@ def parse_flags() -> argparse.Namespace:
     step.add_argument("--repeats", type=int, choices=[1, 2], default=2,
                       help="2: the sides run standard, exact, exact, standard; 1: standard, exact")
     step.add_argument("--save-every", type=int, default=4,
-                      help="the exact side's 2 saves after its timed steps: this many steps apart")
+                      help="the exact side's 2 saves after its timed steps: this many steps apart "
+                      "(0: none, for a model whose two checkpoints do not fit the disk)")
     step.add_argument("--seeded-standard", action="store_true",
                       help="the standard side seeds each request too "
                       "(vLLM 0.20 then draws noise per request)")

@@ -79,7 +79,6 @@ def random_hf_weights(config: dict, seed: int = 0, dtype=torch.bfloat16, device=
             p + "self_attn.q_proj.weight": w(nh * d, h), p + "self_attn.k_proj.weight": w(nkv * d, h),
             p + "self_attn.v_proj.weight": w(nkv * d, h), p + "self_attn.o_proj.weight": w(h, nh * d),
             p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d),
-            p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
         })  # fmt: skip
         if config.get("num_experts"):  # the router's logits spread like a trained one's (std ~1)
             e, i = config["num_experts"], config["moe_intermediate_size"]
@@ -91,6 +90,8 @@ def random_hf_weights(config: dict, seed: int = 0, dtype=torch.bfloat16, device=
         else:
             out.update({p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
                         p + "mlp.down_proj.weight": w(h, i)})
+        # drawn after the MLP's, as before experts came: the demo's model and its README row stay the same
+        out.update({p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h)})
     return out
 
 

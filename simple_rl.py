@@ -227,7 +227,8 @@ import torch.utils.checkpoint  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
     CUDA_GRAPHS, EXACT, SAMPLED, Kernels, first_divergence, install_exact_kernels,
-    restore_block_table_pointers, rope_cos_sin_cache, trainer_trace, vllm_trace)
+    restore_block_table_pointers, rope_cos_sin_cache, served_checksum, tensor_checksum, trainer_trace,
+    vllm_trace)
 
 # ===== The processes: one, or torchrun's =====
 @dataclass(frozen=True)
@@ -604,13 +605,14 @@ def model_shape(args) -> ModelShape:
                       {name: tuple(t.shape) for name, t in hf_weights(model)})
 
 
-def weights_checksum(params) -> int:
-    """The sum of bf16 bit patterns: independent of layout and order; a stale or partial push changes it."""
-    return int(torch.stack([p.detach().view(torch.int16).sum(dtype=torch.int64) for p in params]).sum())
-
-
 def trainer_checksum(model: Qwen3, world: World) -> int:
-    return int(world.sum(torch.tensor(weights_checksum(local_part(p) for p in model.parameters()))))
+    """The whole weights' `tensor_checksum`s, from each rank's shards (FSDP2 splits rows as torch.chunk)."""
+    parts = []
+    for name, p in model.named_parameters():
+        mesh = getattr(p, "device_mesh", None)  # a DTensor's: this rank's chunk is its place in the mesh
+        first_row = min(mesh.get_local_rank() * -(-len(p) // mesh.size()), len(p)) if mesh else 0
+        parts.append(tensor_checksum(name, local_part(p), first_row))
+    return int(world.sum(torch.stack(parts).sum()))
 
 
 # ===== vLLM engine, and the weight push =====
@@ -639,25 +641,27 @@ class VLLMEngine:
         self.served_checksum = self.weights_checksum()
         self.return_routed_experts, self.routed_experts = return_routed_experts, None  # the last generate's
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int],
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list,
                  stop_token_ids=(), ignore_eos: bool = False, top_k: int = 0, top_p: float = 1.0):
-        """One completion per prompt: token ids, the fp32 logprob of each (T < 1e-5: greedy, vLLM's own)."""
+        """One completion per prompt: token ids, the fp32 logprob of each (T < 1e-5: greedy, logprobs at
+        T = 1). A seed per request, as vLLM takes them: requests may share one, or have None."""
         from vllm import SamplingParams, TokensPrompt
-        recorded = self.exact and temperature >= 1e-5  # the exact sampler keeps these on the GPU
         params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=n, seed=s,
-                                 logprobs=None if recorded else 0, flat_logprobs=True, detokenize=False,
-                                 stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
-                  for n, s in zip(max_tokens, seeds)]
+                                 logprobs=None if self.exact else 0, flat_logprobs=True, detokenize=False,
+                                 stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                                 extra_args={"recorded_row": row})  # where the exact sampler keeps its draws
+                  for row, (n, s) in enumerate(zip(max_tokens, seeds))]
         collecting = gc.isenabled()  # vLLM's host work bounds a decode step: GC passes on its objects add ~5%
         gc.disable()
         try:
-            with SAMPLED.recording(seeds, max(max_tokens, default=0), "cuda") if recorded else nullcontext():
+            recording = SAMPLED.recording(len(prompts), max(max_tokens, default=0), "cuda")
+            with recording if self.exact else nullcontext():
                 samples = [out.outputs[0] for out in self.llm.generate(
                     [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)]
                 completions = [list(s.token_ids) for s in samples]
                 if self.return_routed_experts:  # a sample's: (its tokens but the last, layers, k)
                     self.routed_experts = [torch.from_numpy(s.routed_experts) for s in samples]
-                return completions, SAMPLED.read(completions) if recorded else [  # fp32 in Python floats
+                return completions, SAMPLED.read(completions) if self.exact else [  # fp32 in Python floats
                     torch.tensor(s.logprobs.logprobs, dtype=torch.float32) for s in samples]
         finally:
             if collecting:
@@ -675,7 +679,7 @@ class VLLMEngine:
         self.llm.apply_model(lambda served: served.load_weights(hf_weights(model)))
 
     def weights_checksum(self) -> int:
-        return self.llm.apply_model(lambda served: weights_checksum(served.parameters()))[0]
+        return self.llm.apply_model(served_checksum)[0]
 
     def sync_weights(self, model: Qwen3, world: World, changed: bool) -> None:
         torch.cuda.empty_cache()  # the trainer's freed blocks go back to the driver, for vLLM to map

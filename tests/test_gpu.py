@@ -1,5 +1,6 @@
 """On the GPU, against the real vLLM 0.20: the trainer's logprob of every sampled token equals
-vLLM's bit for bit, whatever the batch, at any temperature, top-k and top-p; the CUDA-graph engine gives
+vLLM's bit for bit, whatever the batch, at any temperature, top-k and top-p, and so do its prompt and
+greedy logprobs, and requests that share a seed draw as alone; the CUDA-graph engine gives
 the eager engine's bits; weights pushed after a sleep are exact; gradients are right (our Triton backwards
 too, past int32 offsets; the embedding's, the same bits on every call); the re-tiled matmul gives vLLM's
 matmul's bits.
@@ -127,6 +128,95 @@ def test_top_k_top_p_is_the_same_in_small_and_large_decode_steps(served):
         sort = apply_top_k_top_p_pytorch(logits.clone(), k, p) == float("-inf")
     print(f"\n[{name}] kept sets of the sort and the Triton kernel differ on {int((triton != sort).any(-1).sum())} "
           f"of {len(logits)} rows")
+
+
+def prompt_logprobs(engine, sequences, top=0):
+    """vLLM's prompt logprobs of each sequence's tokens after its first (`SamplingParams(prompt_logprobs)`),
+    as a user scores sequences with the engine: fp32 (the token's own, also when the top `top` come too)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=top, flat_logprobs=True, detokenize=False)
+    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+    scored = []
+    for sequence, out in zip(sequences, outs):
+        flat = out.prompt_logprobs  # position 0: None; each later one its token first, then the top
+        at = [flat.token_ids.index(t, a, b) for t, a, b in zip(sequence[1:], flat.start_indices[1:],
+                                                                flat.end_indices[1:])]
+        scored.append(torch.tensor([flat.logprobs[i] for i in at], dtype=torch.float32))
+    return scored
+
+
+def scored_by_trainer(model, sequences, budget=32768):
+    """The trainer's logprob of each sequence's tokens after its first (T = 1), in shuffled batches."""
+    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(0)).tolist()
+    return trainer_logprobs(model, [s[:1] for s in sequences], [s[1:] for s in sequences], order, budget)
+
+
+def test_prompt_and_greedy_logprobs_are_the_trainers(served):
+    """Every logprob the exact engine returns is the trainer's, not only those it samples with: prompt
+    logprobs of 500 prompts of 20-1,000 tokens (chunked prefill), with the top 5 too; greedy decoding's
+    (T = 0: logprobs at T = 1), kept on the GPU and through vLLM's own `logprobs=0`, equal to a second
+    pass's prompt logprobs; all again after a changed push."""
+    from vllm import SamplingParams, TokensPrompt
+
+    engine, model, config, name, _ = served
+    g, vocab = torch.Generator().manual_seed(71), config["vocab_size"]
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(20, 1001, (500,), generator=g)]
+    short = [p[:700] for p in prompts[:512]]
+    for pushed in (False, True):
+        if pushed:  # weights changed and pushed as the script pushes them (the tiny engine does not sleep)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.01)
+            if name == "tiny":
+                engine.push_weights(model)
+                engine.check_weights(model, simple_rl.World(), changed=True)
+            else:
+                engine.sleep()
+                engine.sync_weights(model, simple_rl.World(), changed=True)
+        ours = scored_by_trainer(model, prompts)
+        for top in (0, 5):
+            mismatched = count_mismatches(ours, prompt_logprobs(engine, prompts, top))
+            print(f"\n[{name}{', pushed' if pushed else ''}] prompt logprobs (top {top}): "
+                  f"{sum(map(len, ours))} tokens, {mismatched} differ")
+            assert mismatched == 0
+        completions, kept = engine.generate(short, [256] * len(short), 0.0, [None] * len(short), ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=256, logprobs=0, flat_logprobs=True, detokenize=False,
+                                ignore_eos=True)
+        outs = [o.outputs[0] for o in engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in short], params,
+                                                          use_tqdm=False)]
+        assert [list(o.token_ids) for o in outs] == completions
+        own = [torch.tensor(o.logprobs.logprobs, dtype=torch.float32) for o in outs]
+        order = torch.randperm(len(short), generator=g).tolist()
+        trainer = trainer_logprobs(model, short, completions, order, 16384)
+        rescored = prompt_logprobs(engine, [p + c for p, c in zip(short, completions)])
+        second = [lp[len(p) - 1:] for p, lp in zip(short, rescored)]  # the completions' tokens
+        counts = [count_mismatches(kept, x) for x in (own, trainer, second)]
+        print(f"[{name}{', pushed' if pushed else ''}] greedy: {sum(map(len, completions))} tokens; kept on the GPU "
+              f"differ from vLLM's own, the trainer's, a second pass's on {counts}")
+        assert counts == [0, 0, 0]
+
+
+def test_requests_sharing_a_seed_each_draw_as_alone(served):
+    """vLLM keys a request's noise by its seed and position: two requests with one seed and one prompt
+    draw the same tokens (and logprobs); with other prompts, each draws what it draws alone. None draws
+    from vLLM's own seed. The logprobs kept are each request's own, the trainer's."""
+    engine, model, config, name, _ = served
+    g = torch.Generator().manual_seed(81)
+    prompts = [torch.randint(0, config["vocab_size"], (int(n),), generator=g).tolist()
+               for n in torch.randint(20, 400, (128,), generator=g)]
+    prompts, seeds = prompts + prompts[:64], [7] * 192  # requests 128-191 repeat 0-63
+    completions, lps = engine.generate(prompts, [128] * 192, 1.0, seeds, ignore_eos=True)
+    assert completions[128:] == completions[:64] and count_mismatches(lps[128:], lps[:64]) == 0
+    assert len({tuple(c) for c in completions[:128]}) == 128
+    for i in (0, 64, 127):
+        alone, alone_lps = engine.generate([prompts[i]], [128], 1.0, [7], ignore_eos=True)
+        assert alone == [completions[i]] and count_mismatches(alone_lps, [lps[i]]) == 0
+    unseeded, unseeded_lps = engine.generate(prompts[:64], [128] * 64, 1.0, [None] * 64, ignore_eos=True)
+    order = list(range(192))
+    assert count_mismatches(trainer_logprobs(model, prompts, completions, order, 16384), lps) == 0
+    assert count_mismatches(trainer_logprobs(model, prompts[:64], unseeded, order[:64], 16384), unseeded_lps) == 0
 
 
 def served_rotary_table(engine) -> torch.Tensor:
@@ -295,7 +385,7 @@ def test_sleep_then_push_is_exact_and_served(served):
     if name == "tiny":
         pytest.skip("the sleep-mode engine of this process is the 1.7B-shape one")
     before = engine.weights_checksum()
-    assert before == simple_rl.weights_checksum(model.parameters())
+    assert before == simple_rl.trainer_checksum(model, simple_rl.World())
     torch.cuda.synchronize()
     free_awake = torch.cuda.mem_get_info()[0]
     engine.sleep()
@@ -309,7 +399,7 @@ def test_sleep_then_push_is_exact_and_served(served):
             p.add_(torch.randn_like(p) * 0.01)
     engine.sync_weights(model, simple_rl.World(), changed=True)
     after = engine.served_checksum
-    assert after != before and after == simple_rl.weights_checksum(model.parameters())
+    assert after != before and after == simple_rl.trainer_checksum(model, simple_rl.World())
     table = served_rotary_table(engine)  # a buffer: vLLM saves and restores it around a level-2 sleep
     assert torch.equal(table.view(torch.int32), model.cos_sin_cache.cpu().view(torch.int32))
     prompts, completions, vllm_lps = sample(engine, config["vocab_size"], 512, seed=3)

@@ -118,7 +118,7 @@ def test_changed_weights_pushed_are_served_and_exact(served):
     `w13`/`w2`): the served checksum follows, and 256 samples are bitwise the trainer's."""
     engine, model, config, name = served
     before = engine.weights_checksum()
-    assert before == simple_rl.weights_checksum(model.parameters())
+    assert before == simple_rl.trainer_checksum(model, simple_rl.World())
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)

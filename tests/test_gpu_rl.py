@@ -103,7 +103,7 @@ def check_the_checkpoint_serves_the_trainers_bits(ckpt: Path) -> None:
     it as the same model."""
     engine = start_engine(ckpt, 0.05, max_model_len=512, seed=0, sleep_mode=False, kv_cache_gib=1)
     model = simple_rl.load_qwen3(ckpt, "cuda")
-    assert engine.weights_checksum() == simple_rl.weights_checksum(model.parameters())
+    assert engine.weights_checksum() == simple_rl.trainer_checksum(model, simple_rl.World())
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.args.vocab_size, (int(n),), generator=g).tolist() for n in torch.randint(20, 300, (300,), generator=g)]
     completions, vllm_lps = engine.generate(prompts, [128] * 300, 1.0, list(range(300)), ignore_eos=True)

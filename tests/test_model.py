@@ -243,13 +243,14 @@ class Uva:
 
 
 def test_the_exact_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and_draw_say(monkeypatch):
-    """vLLM 0.20's V2 `Sampler.sample`, as `install_exact_kernels` wraps it (`exact_sample`), on the CPU: its
-    request state is GPU-only (a stand-in here, as is the Triton Gumbel-max: a plain one keyed the same way,
-    by each request's seed and position). The tokens are vLLM's draw from the logits divided by T as the
-    trainer divides; the logprob kept is their log-softmax at the token, bit for bit, in its request's row at
-    its draw's column (position + 1 - prompt); a prompt chunk's draw is not kept, nor that of a
-    recompute's chunk before its last. Refused: tokens the sampler did not draw, a request with another seed,
-    two requests with one seed."""
+    """vLLM 0.20's V2 `Sampler.add_request` and `Sampler.sample`, as `install_exact_kernels` wraps them
+    (`recorded_row`, `exact_sample`), on the CPU: the request state is GPU-only (a stand-in here, as is the
+    Triton Gumbel-max: a plain one keyed the same way, by each request's seed and position). The tokens are
+    vLLM's draw from the logits divided by T as the trainer divides; the logprob kept is their log-softmax at
+    the token, bit for bit, in the row its request's `extra_args` names, at its draw's column (position + 1 -
+    prompt), whatever the seeds (shared, or None); a prompt chunk's draw is not kept, nor that of a
+    recompute's chunk before its last. Refused: tokens the sampler did not draw, a request not recorded."""
+    from vllm import SamplingParams
     from vllm.v1.worker.gpu.sample import sampler as v2_sampler
 
     from batch_invariant_backward import SAMPLED, divide_by_temperature, install_exact_kernels
@@ -265,8 +266,11 @@ def test_the_exact_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and
 
     monkeypatch.setattr(v2_sampler, "gumbel_sample", keyed_gumbel_max)
     install_exact_kernels()
-    seeds, prompt_lens, vocab = [11, 2**62 + 3, 5, 40, 7], [3, 10, 4, 6, 2], 64
-    states = SimpleNamespace(temperature=Uva([0.7] * 5, torch.float32), seeds=Uva(seeds, torch.int64))
+    # Five requests in state slots 0-4, recorded in rows 4, 2, 0, 1, 3; two share a seed, one has none.
+    seeds, rows, prompt_lens, vocab = [11, 11, 5, None, 7], [4, 2, 0, 1, 3], [3, 10, 4, 6, 2], 64
+    ignored = SimpleNamespace(add_request=lambda *args: None)  # vLLM's add_request fills them too
+    states = SimpleNamespace(temperature=Uva([0.7] * 5, torch.float32), add_request=ignored.add_request,
+                             seeds=Uva([s or 2**62 + 3 for s in seeds], torch.int64))  # vLLM draws a None's
 
     def apply_sampling_params(logits, mapping, mapping_np, *_):  # vLLM's V2 order: fp32 copy, then T
         logits = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
@@ -274,48 +278,71 @@ def test_the_exact_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and
         return logits
     requests = SimpleNamespace(prompt_len=Uva(prompt_lens, torch.int32), prefill_len=Uva(prompt_lens, torch.int32))
     sampler = SimpleNamespace(sampling_states=states, apply_sampling_params=apply_sampling_params,
-                              penalties_state=SimpleNamespace(req_states=requests))
+                              penalties_state=SimpleNamespace(req_states=requests, add_request=ignored.add_request),
+                              logit_bias_state=ignored, bad_words_state=ignored)
+    for slot, row in enumerate(rows):
+        v2_sampler.Sampler.add_request(sampler, slot, prompt_lens[slot],
+                                       SamplingParams(seed=seeds[slot], extra_args={"recorded_row": row}))
+    assert sampler.recorded_rows.tolist() == rows
     g = torch.Generator().manual_seed(0)
 
-    def step(requests: list[int], drawn: list[int]):  # requests (state slots) whose draw counts are `drawn`
-        logits = torch.randn(len(requests), vocab, generator=g).bfloat16()
-        pos = torch.tensor([prompt_lens[r] + d - 1 for r, d in zip(requests, drawn)])
-        tokens, processed = v2_sampler.Sampler.sample(sampler, logits, torch.tensor(requests, dtype=torch.int32),
-                                                      np.array(requests), pos, None, None)
-        assert keys[-1] == [(seeds[r], p) for r, p in zip(requests, pos.tolist())]  # vLLM's key: the position
-        t = states.temperature.gpu[requests]
+    def step(slots: list[int], drawn: list[int]):  # requests (state slots) whose draw counts are `drawn`
+        logits = torch.randn(len(slots), vocab, generator=g).bfloat16()
+        pos = torch.tensor([prompt_lens[r] + d - 1 for r, d in zip(slots, drawn)])
+        tokens, processed = v2_sampler.Sampler.sample(sampler, logits, torch.tensor(slots, dtype=torch.int32),
+                                                      np.array(slots), pos, None, None)
+        assert keys[-1] == [(states.seeds.np[r], p) for r, p in zip(slots, pos.tolist())]  # seed and position
+        t = states.temperature.gpu[slots]
         divided = logits.float().div_(t[:, None])  # the trainer's division
         assert torch.equal(processed.view(torch.int32), divided.view(torch.int32))
         return tokens.tolist(), divided.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
 
-    expected = {r: {} for r in range(5)}  # per request and draw: (token, logprob)
+    expected = {r: {} for r in range(5)}  # per request slot and draw: (token, logprob)
 
     def steps(*batches):
-        for requests, drawn in batches:
-            for r, d, t, lp in zip(requests, drawn, *step(requests, drawn)):
+        for slots, drawn in batches:
+            for r, d, t, lp in zip(slots, drawn, *step(slots, drawn)):
                 expected[r][d] = (t, lp)
-    with SAMPLED.recording(seeds, 3, "cpu"):
+    with SAMPLED.recording(5, 3, "cpu"):
         steps(([0, 1, 2, 3, 4], [0, 0, 0, 0, 0]), ([3, 1, 0], [1, 1, 1]), ([4, 2], [1, 1]), ([1, 0], [2, 2]))
         step([3], [-2])  # a prompt chunk before the last: vLLM discards its draw; not kept
         requests.prefill_len.np[2] += 2  # request 2, preempted after 2 tokens, recomputes them too
         step([2], [0])  # a chunk of that before its last (position prompt - 1): discarded, not kept
         steps(([2, 4], [2, 2]), ([4, 4], [3, 4]))  # its last chunk draws its third token; 4's past the end
         completions = [[expected[r][d][0] for d in sorted(expected[r]) if d < 3] for r in range(5)]
-        recorded = SAMPLED.read(completions)
-        assert [len(x) for x in recorded] == [3, 3, 3, 2, 3]
-        for r in range(5):
-            kept = torch.stack([expected[r][d][1] for d in range(len(completions[r]))])
-            assert torch.equal(recorded[r].view(torch.int32), kept.view(torch.int32))
-        with pytest.raises(RuntimeError, match="request 3: vLLM's tokens are not those its sampler drew"):
-            SAMPLED.read(completions[:3] + [[completions[3][0] + 1]] + completions[4:])
+        by_row = [completions[rows.index(row)] for row in range(5)]
+        recorded = SAMPLED.read(by_row)
+        assert [len(x) for x in recorded] == [3, 2, 3, 3, 3]
+        for row, slot in ((row, rows.index(row)) for row in range(5)):
+            kept = torch.stack([expected[slot][d][1] for d in range(len(completions[slot]))])
+            assert torch.equal(recorded[row].view(torch.int32), kept.view(torch.int32))
+        with pytest.raises(RuntimeError, match="request 1: vLLM's tokens are not those its sampler drew"):
+            SAMPLED.read(by_row[:1] + [[by_row[1][0] + 1]] + by_row[2:])
     assert SAMPLED.tokens is None
     step([0, 1], [5, 5])  # not recording: nothing kept, nothing fails
-    with SAMPLED.recording(seeds[:4], 3, "cpu"):
-        step([0, 4, 1], [0, 0, 0])  # request 4's seed is not recorded
-        with pytest.raises(RuntimeError, match="a request with a seed not being recorded"):
-            SAMPLED.read([[], [], [], []])
-    with pytest.raises(ValueError, match="one seed per request"), SAMPLED.recording([3, 4, 3], 3, "cpu"):
-        pass
+    v2_sampler.Sampler.add_request(sampler, 4, prompt_lens[4], SamplingParams(seed=7))  # no row: not recorded
+    with SAMPLED.recording(5, 3, "cpu"):
+        step([0, 4, 1], [0, 0, 0])
+        with pytest.raises(RuntimeError, match="a request not being recorded"):
+            SAMPLED.read([[]] * 5)
+
+
+def test_every_logprob_vllms_v2_runner_returns_is_the_log_softmaxs():
+    """vLLM 0.20's V2 runner computes its sampled, greedy and prompt logprobs in `compute_token_logprobs`
+    (one token a row, or the top-k too); installed, it is the trainer's log-softmax at those tokens, for bf16
+    (prompt) and fp32 (sampler) logits. On the GPU these are the split kernels' bits (tests/test_gpu.py)."""
+    from vllm.v1.worker.gpu.sample import logprob
+
+    from batch_invariant_backward import install_exact_kernels
+
+    install_exact_kernels()
+    g = torch.Generator().manual_seed(0)
+    for logits in (torch.randn(7, 300, generator=g).bfloat16(), torch.randn(7, 300, generator=g)):
+        ids = torch.randint(0, 300, (7, 3), generator=g)
+        expected = logits.float().log_softmax(-1).gather(1, ids)
+        for n in (1, 3):
+            got = logprob.compute_token_logprobs(logits, ids[:, :n])
+            assert got.dtype == torch.float32 and torch.equal(got, expected[:, :n])
 
 
 def test_the_temperature_divides_as_vllms_v1_sampler_and_the_trainer():

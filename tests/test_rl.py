@@ -762,7 +762,7 @@ class TrainerAsSampler(simple_rl.VLLMEngine):
         self.model.load_state_dict(simple_rl.from_hf_state_dict(hf, self.model.args))
 
     def weights_checksum(self):
-        return simple_rl.weights_checksum(self.model.parameters())
+        return simple_rl.trainer_checksum(self.model, simple_rl.World())
 
 
 def recording(engines: list):
@@ -933,6 +933,51 @@ def test_a_stale_or_unchanged_push_is_refused(tmp_path):
         engine.check_weights(model, world)  # the trainer moved on; vLLM still serves the old weights
     engine.push_weights(model)
     engine.check_weights(model, world, changed=True)
+
+
+def vllm_names(layers: int, moe: bool, tied: bool) -> list[str]:
+    """vLLM 0.20's parameter names of a Qwen3 (Qwen3-MoE) it serves (`named_parameters()` of its model; a
+    tied lm_head is the embedding's one parameter). The GPU tests compare the checksum with vLLM's own."""
+    mlp = ["mlp.gate.weight", "mlp.experts.w13_weight", "mlp.experts.w2_weight"] if moe else [
+        "mlp.gate_up_proj.weight", "mlp.down_proj.weight"]
+    per_layer = ["input_layernorm.weight", "self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
+                 "self_attn.q_norm.weight", "self_attn.k_norm.weight", "post_attention_layernorm.weight", *mlp]
+    return (["model.embed_tokens.weight"] + [f"model.layers.{i}.{n}" for i in range(layers) for n in per_layer]
+            + ["model.norm.weight"] + ([] if tied else ["lm_head.weight"]))
+
+
+@pytest.mark.parametrize("moe, tied", [(False, True), (False, False), (True, False)])
+def test_the_checksum_sees_where_each_weight_lies(tmp_path, moe, tied):
+    """The served weights' checksum (vLLM's names, mapped to the trainer's) equals the trainer's for the
+    same tensors, and changes when two tensors' contents swap, a row moves, or two values in a row swap: a
+    sum of bit patterns saw none of these."""
+    from batch_invariant_backward import served_checksum, trainer_name
+
+    experts = dict(experts=4, experts_per_token=2, moe_intermediate=32) if moe else {}
+    model = simple_rl.load_qwen3(write_gsm8k_model(tmp_path, tie=tied, **experts), "cpu")
+    ours = dict(model.named_parameters())
+    names = vllm_names(model.args.n_layers, moe, tied)
+    assert sorted(map(trainer_name, names)) == sorted(ours)  # one served tensor per trainer tensor
+    served = SimpleNamespace(named_parameters=lambda: ((n, ours[trainer_name(n)]) for n in names))
+    checksum = simple_rl.trainer_checksum(model, simple_rl.World())
+    assert served_checksum(served) == checksum
+    layer, bit_sum = model.layers[0], sum(int(p.view(torch.int16).sum()) for p in model.parameters())
+    changes = [(layer.attention_norm.weight, layer.ffn_norm.weight),  # two tensors' contents swap
+               (layer.attention.wqkv.weight,),  # its rows move down by one
+               (layer.attention.wo.weight[3, 5:7],)]  # two values in a row swap
+    with torch.no_grad():
+        for change in changes:
+            saved = [t.clone() for t in change]
+            if len(change) == 2:
+                change[0].copy_(saved[1]), change[1].copy_(saved[0])
+            else:
+                change[0].copy_(saved[0].roll(1, 0))
+            assert not all(torch.equal(a, b) for a, b in zip(change, saved))
+            assert sum(int(p.view(torch.int16).sum()) for p in model.parameters()) == bit_sum
+            assert simple_rl.trainer_checksum(model, simple_rl.World()) != checksum
+            for t, s in zip(change, saved):
+                t.copy_(s)
+    assert simple_rl.trainer_checksum(model, simple_rl.World()) == checksum
 
 
 def test_a_parity_abort_names_the_first_mismatch_before_any_update(tmp_path, monkeypatch):
