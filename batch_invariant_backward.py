@@ -1247,7 +1247,7 @@ def exact_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_
     Gumbel-max draw, keyed by each request's seed and position, from the logits processed by the ops the
     trainer mirrors (`divide_by_temperature`, `top_k_top_p`). While `SAMPLED` records, each drawn token's
     processed logprob (`token_logprobs`: the log-softmax's bits at that token, the trainer's) is kept in its
-    request's row (`recorded_row`), at its draw count (the tokens it drew before: position + 1 - prompt).
+    request's row (`exact_add_request`), at its draw count (the tokens it drew before: position + 1 - prompt).
     vLLM discards the draw of a prefill chunk before its last (a prompt's, or a recompute's after
     preemption), and `SAMPLED` does not keep it."""
     sampled, processed = vllm_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
@@ -1261,7 +1261,7 @@ def exact_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_
     return sampled, processed
 
 
-def recorded_row(self, req_idx: int, prompt_len: int, sampling_params, *, vllm_add_request: Callable) -> None:
+def exact_add_request(self, req_idx: int, prompt_len: int, sampling_params, *, vllm_add_request: Callable):
     """vLLM 0.20's V2 `Sampler.add_request`, which also notes in the request's state slot the row `SAMPLED`
     keeps its draws in: `SamplingParams.extra_args["recorded_row"]` (-1 without: a row not recorded). A row
     names a request, whatever its seed: requests may share one, or have none, as vLLM allows."""
@@ -1307,9 +1307,9 @@ class SampledLogprobs:
 
     @contextmanager
     def recording(self, requests: int, draws: int, device):
-        # A row more, for a draw of a request not recorded (one left in the engine): `read` refuses. A column
-        # more, for what no completion keeps: a prompt chunk's draw, which vLLM discards, and one past the
-        # last (async scheduling may draw once past a stop token).
+        # A row more, for a draw of a request that names no row (not one of `VLLMEngine.generate`'s): `read`
+        # refuses. A column more, for what no completion keeps: a prompt chunk's draw, which vLLM discards,
+        # and one past the last (async scheduling may draw once past a stop token).
         self.tokens = torch.full((requests + 1, draws + 1), -1, dtype=torch.int64, device=device)
         self.logprobs = torch.full((requests + 1, draws + 1), float("nan"), device=device)
         try:
@@ -1351,9 +1351,9 @@ def install_exact_kernels() -> None:
     as does the log-softmax's program a row (`split_log_softmax`, fp32 rows), and the RMSNorm copies q and k
     before it runs (`rms_norm_rows`, the residual add fused in). The V2 model runner's sampler
     (`exact_sample`) divides by T as the trainer does and keeps each drawn token's logprob on the GPU
-    (`SAMPLED`, in the row its request names: `recorded_row`); every logprob vLLM returns (sampled, greedy,
-    prompt) is the trainer's log-softmax's (`exact_token_logprobs`). And hold the rotary table in fp32, like
-    the trainer (`rope_cos_sin_cache`)."""
+    (`SAMPLED`, in the row its request names: `exact_add_request`); every logprob vLLM returns (sampled,
+    greedy, prompt) is the trainer's log-softmax's (`exact_token_logprobs`). And hold the rotary table in
+    fp32, like the trainer (`rope_cos_sin_cache`)."""
     from vllm.model_executor.layers import batch_invariant, layernorm, linear, vocab_parallel_embedding
     from vllm.model_executor.layers.rotary_embedding import base as rotary
     from vllm.v1.worker.gpu.sample import logprob, sampler, states
@@ -1384,7 +1384,7 @@ def install_exact_kernels() -> None:
             return exact_sample(self, *args, vllm_sample=vllm_sample)
 
         def add_request(self, *args):
-            recorded_row(self, *args, vllm_add_request=vllm_add_request)
+            exact_add_request(self, *args, vllm_add_request=vllm_add_request)
         sampler.Sampler.sample, sampler.Sampler.add_request = sample, add_request
 
 
@@ -1418,21 +1418,33 @@ def trainer_name(served: str) -> str:
     return served
 
 
-def tensor_checksum(name: str, t: torch.Tensor, first_row: int = 0) -> torch.Tensor:
-    """A weight's checksum (an int64 on its device): its bit patterns (int16s) summed, each weighted by its row
-    (counted from `first_row`: a shard's place in the whole tensor) plus its column, times an odd number
-    drawn from the name. Integer sums wrap in int64 and are exact in any order, so shards on several ranks add
-    up to the whole's; a row moved, a column moved, or a tensor's contents in another's place change it."""
-    t = t.detach()
+def tensor_checksum(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A weight's checksum (an int64 on its device): its bit patterns (int16s) each weighted by its place in
+    the whole tensor (1 + its row-major index), summed, times an odd number drawn from the name. Any two
+    unequal values swapped change it (the change, below 2^48, times an odd number is not 0 modulo 2^64), as
+    does a tensor's contents in another's place. Integer sums wrap in int64 and are exact in any order: an
+    FSDP2 shard (a DTensor: its rows of the whole, as torch.chunk splits them) gives its part, and the
+    ranks' parts add up to the whole's. Summed a few million values at a time: the int64 copy a sum makes
+    stays small."""
+    t, first_row = t.detach(), 0
+    if hasattr(t, "to_local"):
+        if len(t.placements) != 1 or not t.placements[0].is_shard(0):
+            raise ValueError(f"{name}: the checksum takes tensors split by rows (FSDP2), not {t.placements}")
+        mesh = t.device_mesh
+        first_row, t = min(mesh.get_local_rank() * -(-len(t) // mesh.size()), len(t)), t.to_local()
     bits = (t.flatten(1) if t.dim() > 1 else t.reshape(-1, 1)).view(torch.int16)  # (rows, columns)
-    rows = torch.arange(first_row + 1, first_row + 1 + bits.shape[0], device=bits.device)
-    columns = torch.arange(1, bits.shape[1] + 1, device=bits.device)
-    weighted = ((rows * bits.sum(1, dtype=torch.int64)).sum()
-                + (columns * bits.sum(0, dtype=torch.int64)).sum())
-    return weighted * (2 * zlib.crc32(name.encode()) + 1)
+    width = bits.shape[1]
+    columns, total = torch.arange(1, width + 1, device=bits.device), bits.new_zeros((), dtype=torch.int64)
+    rows_at_once = max(1, 2**24 // width)
+    for start in range(0, len(bits), rows_at_once):
+        part = bits[start:start + rows_at_once]
+        rows = torch.arange(first_row + start, first_row + start + len(part), device=bits.device)
+        total += width * (rows * part.sum(1, dtype=torch.int64)).sum()  # Σ b (row * width + column + 1)
+        total += (columns * part.sum(0, dtype=torch.int64)).sum()
+    return total * (2 * zlib.crc32(name.encode()) + 1)
 
 
-def served_checksum(served: torch.nn.Module) -> int:
+def vllm_weights_checksum(served: torch.nn.Module) -> int:
     """The checksum of the weights vLLM serves (its model, through `LLM.apply_model`), by the trainer's names:
     equal to the trainer's own (`tensor_checksum` of each parameter) when it serves the same tensors."""
     return int(sum(tensor_checksum(trainer_name(name), p) for name, p in served.named_parameters()))

@@ -78,7 +78,9 @@ def saved_run(checkpoint: Path, args_class: type) -> tuple:
     typed = [flag(f.name) for g in groups.values() for f in dataclasses.fields(g) if not isinstance(
              getattr(g, f.name), (type(None), *also.get(type(f.default), [type(f.default)])))]
     if typed or type(step) is not int or step < 0:
-        raise UsageError(f"--resume {checkpoint}: {run_file} holds a wrong value: {', '.join(typed) or step}")
+        wrong = f"the type of {', '.join(typed)}" if typed else f"step {step!r} (a count of steps)"
+        raise UsageError(f"--resume {checkpoint}: {run_file} holds a wrong value: {wrong}; resume an earlier "
+                         "checkpoint")
     return args_class(**groups), step
 
 
@@ -97,8 +99,9 @@ def tyro_cli(args_class: type, **options):
         flags = ", ".join(row for row in rows if row.startswith("--")) or "--help"
         argv = options.get("args")
         argv = sys.argv[1:] if argv is None else argv
-        switches = [f"; {flag} is a switch: {flag} or --no-{flag[2:]}, no value" for flag, value
-                    in zip(argv, argv[1:]) if flag.startswith("--") and value.lower() in ("true", "false")]
+        switches = [f"; {flag} is a switch: --{name} or --no-{name}, no value"
+                    for flag, value in zip(argv, argv[1:]) for name in [flag[2:].removeprefix("no-")]
+                    if flag.startswith("--") and value.lower() in ("true", "false", "1", "0", "yes", "no")]
         message = f"{' '.join(rows[1:rows.index('', 1)])} (see {flags})"
         raise UsageError(message + "".join(switches[:1])) from None
 
@@ -113,6 +116,8 @@ def parse_command_line(args_class: type, doc: str, argv: list[str] | None = None
     options = dict(args=argv, config=(tyro.conf.OmitArgPrefixes, tyro.conf.DisallowNone),
                    description=f"{about}\n\n{doc.split(chr(10) * 2)[1]}\n\n{setting}")  # indented: kept
     args = tyro_cli(args_class, **options)
+    if args.run.resume is not None and not args.run.resume.strip():
+        raise UsageError("--resume is empty: give a path")
     if args.run.resume is not None:
         args = tyro_cli(args_class, default=saved_run(Path(args.run.resume), args_class)[0], **options)
     values = {name: value for group in asdict(args).values() for name, value in group.items()}
@@ -204,7 +209,15 @@ def check_args(args, world_size: int):
                                                      args.engine, args.run)
     invariant = os.environ.get("VLLM_BATCH_INVARIANT")
     sequence = data.max_prompt_tokens + sampling.max_new_tokens
+    paths = (("--model", data.model), ("--dataset", data.dataset), ("--eval-dataset", data.eval_dataset),
+             ("--output-dir", run.output_dir), ("--resume", run.resume))
     checks = [
+        *[(value is None or value.strip(), f"{name} is empty: give a path") for name, value in paths],
+        (optimizer.lr < 1, f"--lr {optimizer.lr:g}: AdamW moves each weight by about lr a step; give "
+                           "a rate below 1 (the default is 1e-6)"),
+        (loss.correction == "none" or not args.parity.assert_bitwise, f"--correction {loss.correction} "
+         "weighs tokens by the trainer's and sampler's ratio, 1 in a bitwise run: use it with "
+         "--no-assert-bitwise"),
         (sampling.samples_per_prompt >= 2, "--samples-per-prompt must be at least 2: GRPO normalises rewards "
                                            "within each group"),
         (0 < sampling.top_p <= 1, "--top-p must be in (0, 1] (1 keeps every token)"),
@@ -224,8 +237,9 @@ def check_args(args, world_size: int):
         (run.save_every >= -1, "--save-every must be >= -1 (0: a checkpoint after the last step only; "
          "-1: no)"),
         (0 <= loss.correction_min < loss.correction_max, "need 0 <= --correction-min < --correction-max"),
-        (engine.max_tokens_per_microbatch >= sequence, "--max-tokens-per-microbatch must hold one whole "
-         "sequence (>= --max-prompt-tokens + --max-new-tokens)"),
+        (engine.max_tokens_per_microbatch >= sequence, f"--max-tokens-per-microbatch "
+         f"{engine.max_tokens_per_microbatch} must hold one whole sequence: --max-prompt-tokens + "
+         f"--max-new-tokens = {sequence}"),
         (0 < engine.vllm_gpu_memory < 1, "--vllm-gpu-memory must be a fraction between 0 and 1"),
         (not (data.dataset and run.eval_every and not given.eval_dataset),
          "--dataset is local: pass --eval-dataset (a local test jsonl) too, or --eval-every 0"),
@@ -413,14 +427,33 @@ def check_training_state(checkpoint: Path, shape: ModelShape) -> None:
                          "whole, or resume from an earlier checkpoint")
 
 
+def offline_unless_hub_answers() -> bool:
+    """Whether the hub is out of reach (no connection within 3 s): then `datasets` and `huggingface_hub` read
+    only their local caches (HF_HUB_OFFLINE, read as they are imported), where they would retry for half a
+    minute before failing."""
+    import socket
+    from urllib.parse import urlparse
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return True
+    try:
+        host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
+        socket.create_connection((host, 443), timeout=3).close()
+        return False
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        return True
+
+
 def load_gsm8k(split: str) -> list[dict]:
     """[{question, answer}] of openai/gsm8k 'main' from `datasets` (a local file: `read_gsm8k_file`)."""
+    offline = offline_unless_hub_answers()
     from datasets import load_dataset
     try:
         rows = load_dataset(GSM8K, "main", split=split)
     except Exception as e:
-        raise UsageError(f"cannot load {GSM8K} from the hub ({type(e).__name__}): pass --dataset and "
-                         "--eval-dataset with local jsonl files") from e
+        why = "the hub is out of reach, and it is not in the local cache" if offline else type(e).__name__
+        raise UsageError(f"cannot load {GSM8K} from the hub ({why}): pass --dataset and --eval-dataset with "
+                         "local jsonl files") from e
     return [{"question": r["question"], "answer": r["answer"]} for r in rows]
 
 
@@ -431,11 +464,16 @@ def read_gsm8k_file(path: str, answer_format: re.Pattern, flag: str) -> list[dic
         what = "a directory" if Path(path).is_dir() else "no such file"
         raise UsageError(f"{flag} {path}: {what} (expected a GSM8K-format jsonl file)")
     with open(path, "rb") as f:
-        parquet = f.read(4) == b"PAR1"
+        magic = f.read(4)
+    if magic[:2] == b"\x1f\x8b":
+        raise UsageError(f"{flag} {path}: a gzip file; decompress it (gunzip) and pass the jsonl")
+    parquet = magic == b"PAR1"
     if parquet:  # through `datasets`, as the hub's own copy of GSM8K is stored
-        from datasets import load_dataset
+        import datasets
+        datasets.disable_progress_bars()  # the script's line is the one the user reads
+        datasets.logging.set_verbosity_error()
         try:
-            rows = list(load_dataset("parquet", data_files=path, split="train"))
+            rows = list(datasets.load_dataset("parquet", data_files=path, split="train"))
         except Exception as e:
             raise UsageError(f"{flag} {path}: not a readable parquet file ({type(e).__name__})") from None
         where = "row"
@@ -468,10 +506,8 @@ def read_gsm8k_file(path: str, answer_format: re.Pattern, flag: str) -> list[dic
     return checked
 
 
-def encoded_split(rows: list[dict] | None, split: str, name: str, encode: Callable, data) -> list[dict]:
-    """A split's questions (`rows`, or the hub's GSM8K if None) tokenised by `encode`, saying how many
-    prompts were too long."""
-    rows = load_gsm8k(split) if rows is None else rows
+def encoded_split(rows: list[dict], name: str, encode: Callable, data) -> list[dict]:
+    """A split's questions tokenised by `encode`, saying how many prompts were too long."""
     kept = encode(rows)
     if not kept:
         raise UsageError(f"{name}: every prompt exceeds --max-prompt-tokens {data.max_prompt_tokens}")
@@ -499,12 +535,14 @@ def resolve_model_dir(model: str) -> Path:
         return path
     if path.exists() or model.startswith((".", "/")) or model.count("/") != 1:
         raise UsageError(f"--model {model}: not a checkpoint directory, nor a hub id like Qwen/Qwen3-1.7B")
+    offline = offline_unless_hub_answers()
     from huggingface_hub import snapshot_download
     try:
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
     except Exception as e:
-        raise UsageError(f"--model {model}: cannot download it from the hub ({type(e).__name__}); pass a "
-                         "local checkpoint directory") from e
+        why = "the hub is out of reach, and it is not in the local cache" if offline else type(e).__name__
+        raise UsageError(f"--model {model}: cannot download it from the hub ({why}); pass a local checkpoint "
+                         "directory") from e
 
 
 def end_of_sequence_ids(tokenizer, config: dict, model_dir: Path) -> list[int]:
@@ -563,8 +601,52 @@ class Files:
     model_dir: Path  # the checkpoint both sides load: --model, or the one --resume continues from
     config: dict  # its config.json
     start_step: int  # GRPO steps already made: 0, or the resumed checkpoint's step
-    train_rows: list[dict] | None  # --dataset's questions; None: the hub's GSM8K, loaded with the tokenizer
-    eval_rows: list[dict] | None  # --eval-dataset's, likewise; [] without evaluations
+    train_rows: list[dict]  # --dataset's questions, or the hub's GSM8K train split
+    eval_rows: list[dict]  # --eval-dataset's, or the hub's test split; [] without evaluations
+
+
+def check_tokenizer(model_dir: Path, config: dict, source: str, data) -> None:
+    """The tokenizer's files, read without transformers (which imports torch): `tokenizers` loads
+    tokenizer.json in milliseconds; its vocabulary fits the model's; a chat template where the flags need
+    one (transformers 5 keeps it in tokenizer_config.json or chat_template.jinja). `load_inputs` loads the
+    tokenizer for use."""
+    files = {name: (model_dir / name).is_file()
+             for name in ("tokenizer.json", "vocab.json", "tokenizer.model")}
+    if not any(files.values()):
+        raise UsageError(f"{source} {model_dir}: no tokenizer files (tokenizer.json); copy the model's "
+                         "tokenizer with its weights")
+    if files["tokenizer.json"]:
+        from tokenizers import Tokenizer
+        try:
+            size = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size(
+                with_added_tokens=True)
+        except Exception as e:
+            raise UsageError(f"{source} {model_dir}: cannot load its tokenizer (tokenizer.json: "
+                             f"{str(e).splitlines()[0][:200]})") from None
+        if not 1 < size <= config["vocab_size"]:
+            raise UsageError(f"{source} {model_dir}: its tokenizer has {size} token(s) for a vocabulary of "
+                             f"{config['vocab_size']} (another model's?)")
+    try:
+        settings = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        settings = {}
+    template = "chat_template" in settings or any((model_dir / name).is_file()
+                                                  for name in ("chat_template.jinja", "chat_template.json"))
+    if not template and (data.prompt_format == "chat" or data.thinking):
+        wanted = "--prompt-format chat" if data.prompt_format == "chat" else "--thinking"
+        raise UsageError(f"{wanted}: {source} {model_dir}'s tokenizer has no chat template; use "
+                         f"{'plain or auto' if data.prompt_format == 'chat' else '--no-thinking'}")
+
+
+def check_state_files(checkpoint: Path) -> None:
+    """--resume: the training state's files that need no torch to find (`check_training_state` reads
+    DCP's index once torch has loaded)."""
+    state = checkpoint / TRAINING_STATE
+    lacks = [name for name in (".metadata", "parity.json") if not (state / name).is_file()]
+    lacks += [] if any(state.glob("*.distcp")) else ["its .distcp files"]
+    if lacks:
+        raise UsageError(f"--resume {checkpoint}: its training state is broken ({', '.join(lacks)} "
+                         "missing); copy it again whole, or resume from an earlier checkpoint")
 
 
 def read_files(args, answer_format: re.Pattern) -> Files:
@@ -589,16 +671,21 @@ def read_files(args, answer_format: re.Pattern) -> Files:
         raise UsageError(f"--top-k {args.sampling.top_k} is more than the vocabulary's "
                          f"{config['vocab_size']} tokens (0 keeps them all)")
     check_checkpoint(model_dir, config, "--resume" if resume else "--model")  # named as the flag did
+    check_tokenizer(model_dir, config, "--resume" if resume else "--model", args.data)
+    if resume:
+        check_state_files(model_dir)
     if args.run.save_every >= 0:
         check_disk(args, sum(math.prod(dims) for dims in checkpoint_shapes(config).values()))
     saved = " (the run's, saved in its checkpoint)" if resume else ""  # --dataset may not change on resume
-    train = None if args.data.dataset is None else read_gsm8k_file(args.data.dataset, answer_format,
-                                                                   "--dataset" + saved)
-    if train is not None and args.sampling.prompts_per_step > len(train):
-        raise UsageError(f"--prompts-per-step {args.sampling.prompts_per_step} is more than the train set's "
-                         f"{len(train)} questions")
-    evaluation = [] if not args.run.eval_every else None if args.data.eval_dataset is None else (
+    train = load_gsm8k("train") if args.data.dataset is None else read_gsm8k_file(
+        args.data.dataset, answer_format, "--dataset" + saved)
+    for name, n in (("--prompts-per-step", args.sampling.prompts_per_step),
+                    ("--sft-batch-size", args.warm_start.sft_batch_size if args.warm_start.sft_steps else 0)):
+        if n > len(train):
+            raise UsageError(f"{name} {n} is more than the train set's {len(train)} questions")
+    evaluation = [] if args.data.eval_dataset is None else (  # read even if unused: a wrong path fails
         read_gsm8k_file(args.data.eval_dataset, answer_format, "--eval-dataset"))
+    evaluation = (evaluation or load_gsm8k("test")) if args.run.eval_every else []
     return Files(model_dir, config, saved_run(model_dir, type(args))[1] if resume else 0, train, evaluation)
 
 
@@ -634,14 +721,13 @@ def load_inputs(args, files: Files, shape: ModelShape, encode_dataset: Callable)
     if args.data.prompt_format == "chat" and tokenizer.chat_template is None:
         raise UsageError("--prompt-format chat: this tokenizer has no chat template; use plain or auto")
 
-    def encoded(rows: list[dict] | None, split: str, name: str) -> list[dict]:
-        return encoded_split(rows, split, name, lambda rows: encode_dataset(rows, tokenizer, args.data),
-                             args.data)
-    train_rows = encoded(files.train_rows, "train", "train set")
+    def encoded(rows: list[dict], name: str) -> list[dict]:
+        return encoded_split(rows, name, lambda rows: encode_dataset(rows, tokenizer, args.data), args.data)
+    train_rows = encoded(files.train_rows, "train set")
     if args.sampling.prompts_per_step > len(train_rows):
         raise UsageError(f"--prompts-per-step {args.sampling.prompts_per_step} is more than the train set's "
                          f"{len(train_rows)} questions")
-    eval_rows = encoded(files.eval_rows, "test", "eval set") if args.run.eval_every else []
+    eval_rows = encoded(files.eval_rows, "eval set") if args.run.eval_every else []
     return Inputs(model_dir, shape, files.start_step, tokenizer,
                   end_of_sequence_ids(tokenizer, files.config, model_dir), train_rows,
                   eval_rows[: args.run.eval_samples])

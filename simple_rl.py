@@ -227,8 +227,8 @@ import torch.utils.checkpoint  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
     CUDA_GRAPHS, EXACT, SAMPLED, Kernels, first_divergence, install_exact_kernels,
-    restore_block_table_pointers, rope_cos_sin_cache, served_checksum, tensor_checksum, trainer_trace,
-    vllm_trace)
+    restore_block_table_pointers, rope_cos_sin_cache, tensor_checksum, trainer_trace, vllm_trace,
+    vllm_weights_checksum)
 
 # ===== The processes: one, or torchrun's =====
 @dataclass(frozen=True)
@@ -606,13 +606,8 @@ def model_shape(args) -> ModelShape:
 
 
 def trainer_checksum(model: Qwen3, world: World) -> int:
-    """The whole weights' `tensor_checksum`s, from each rank's shards (FSDP2 splits rows as torch.chunk)."""
-    parts = []
-    for name, p in model.named_parameters():
-        mesh = getattr(p, "device_mesh", None)  # a DTensor's: this rank's chunk is its place in the mesh
-        first_row = min(mesh.get_local_rank() * -(-len(p) // mesh.size()), len(p)) if mesh else 0
-        parts.append(tensor_checksum(name, local_part(p), first_row))
-    return int(world.sum(torch.stack(parts).sum()))
+    """The whole weights' `tensor_checksum`s, summed over each rank's shards."""
+    return int(world.sum(torch.stack([tensor_checksum(n, p) for n, p in model.named_parameters()]).sum()))
 
 
 # ===== vLLM engine, and the weight push =====
@@ -654,8 +649,8 @@ class VLLMEngine:
         collecting = gc.isenabled()  # vLLM's host work bounds a decode step: GC passes on its objects add ~5%
         gc.disable()
         try:
-            recording = SAMPLED.recording(len(prompts), max(max_tokens, default=0), "cuda")
-            with recording if self.exact else nullcontext():
+            with (SAMPLED.recording(len(prompts), max(max_tokens, default=0), "cuda") if self.exact
+                  else nullcontext()):
                 samples = [out.outputs[0] for out in self.llm.generate(
                     [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)]
                 completions = [list(s.token_ids) for s in samples]
@@ -679,7 +674,7 @@ class VLLMEngine:
         self.llm.apply_model(lambda served: served.load_weights(hf_weights(model)))
 
     def weights_checksum(self) -> int:
-        return self.llm.apply_model(served_checksum)[0]
+        return self.llm.apply_model(vllm_weights_checksum)[0]
 
     def sync_weights(self, model: Qwen3, world: World, changed: bool) -> None:
         torch.cuda.empty_cache()  # the trainer's freed blocks go back to the driver, for vLLM to map

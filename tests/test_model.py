@@ -244,7 +244,7 @@ class Uva:
 
 def test_the_exact_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and_draw_say(monkeypatch):
     """vLLM 0.20's V2 `Sampler.add_request` and `Sampler.sample`, as `install_exact_kernels` wraps them
-    (`recorded_row`, `exact_sample`), on the CPU: the request state is GPU-only (a stand-in here, as is the
+    (`exact_add_request`, `exact_sample`), on the CPU: the request state is GPU-only (a stand-in here, as is the
     Triton Gumbel-max: a plain one keyed the same way, by each request's seed and position). The tokens are
     vLLM's draw from the logits divided by T as the trainer divides; the logprob kept is their log-softmax at
     the token, bit for bit, in the row its request's `extra_args` names, at its draw's column (position + 1 -
@@ -269,8 +269,9 @@ def test_the_exact_sampler_keeps_each_drawn_tokens_logprob_where_its_request_and
     # Five requests in state slots 0-4, recorded in rows 4, 2, 0, 1, 3; two share a seed, one has none.
     seeds, rows, prompt_lens, vocab = [11, 11, 5, None, 7], [4, 2, 0, 1, 3], [3, 10, 4, 6, 2], 64
     ignored = SimpleNamespace(add_request=lambda *args: None)  # vLLM's add_request fills them too
+    drawn = [s if s is not None else 2**62 + 3 for s in seeds]  # None: vLLM's add_request draws one
     states = SimpleNamespace(temperature=Uva([0.7] * 5, torch.float32), add_request=ignored.add_request,
-                             seeds=Uva([s or 2**62 + 3 for s in seeds], torch.int64))  # vLLM draws a None's
+                             seeds=Uva(drawn, torch.int64))
 
     def apply_sampling_params(logits, mapping, mapping_np, *_):  # vLLM's V2 order: fp32 copy, then T
         logits = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
@@ -331,11 +332,13 @@ def test_every_logprob_vllms_v2_runner_returns_is_the_log_softmaxs():
     """vLLM 0.20's V2 runner computes its sampled, greedy and prompt logprobs in `compute_token_logprobs`
     (one token a row, or the top-k too); installed, it is the trainer's log-softmax at those tokens, for bf16
     (prompt) and fp32 (sampler) logits. On the GPU these are the split kernels' bits (tests/test_gpu.py)."""
-    from vllm.v1.worker.gpu.sample import logprob
+    from vllm.v1.worker.gpu.sample import logprob, prompt_logprob, sampler
 
-    from batch_invariant_backward import install_exact_kernels
+    from batch_invariant_backward import exact_token_logprobs, install_exact_kernels
 
     install_exact_kernels()
+    for caller in (sampler, prompt_logprob):  # the name each calls resolves to the installed function
+        assert caller.compute_topk_logprobs.__globals__["compute_token_logprobs"] is exact_token_logprobs
     g = torch.Generator().manual_seed(0)
     for logits in (torch.randn(7, 300, generator=g).bfloat16(), torch.randn(7, 300, generator=g)):
         ids = torch.randint(0, 300, (7, 3), generator=g)

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import safetensors.torch
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from conftest import (QWEN3_CHAT_TEMPLATE, full_gsm8k, gsm8k_jsonl, gsm8k_rows, make_args, write_chat_model,
                       trace, write_gsm8k_model, write_jsonl)
@@ -293,6 +294,16 @@ def test_bad_flags_give_one_line_errors(tmp_path):
         (["--temperature", "x"], ON, "could not convert string to float: 'x' (see --temperature FLOAT)"),
         (["--prompt-format", "xml"], ON, "invalid choice 'xml' for argument '--prompt-format'. Expected one of"),
         (["--steps"], ON, "Missing value for argument '--steps'. Expected 1 values. (see --help)"),
+        # paths given empty, and values a user mistypes
+        (["--model", ""], ON, "--model is empty: give a path"),
+        (["--output-dir", " "], ON, "--output-dir is empty: give a path"),
+        (["--resume", ""], ON, "--resume is empty: give a path"),
+        (["--lr", "1e10"], ON, "--lr 1e+10: AdamW moves each weight by about lr a step; give a rate below 1"),
+        (["--correction", "tis"], ON, "--correction tis weighs tokens by the trainer's and sampler's ratio, 1 in "
+                                      "a bitwise run: use it with --no-assert-bitwise"),
+        (["--no-assert-bitwise", "false"], ON, "--no-assert-bitwise is a switch: --assert-bitwise or "
+                                               "--no-assert-bitwise, no value"),
+        (["--verbose", "1"], ON, "--verbose is a switch: --verbose or --no-verbose, no value"),
     ]
     if os.geteuid() == 0:  # root writes anywhere
         cases = [c for c in cases if not any(str(read_only) in f for f in c[0])]
@@ -388,6 +399,10 @@ def test_bad_files_give_one_line_errors(tmp_path):
     import pyarrow.parquet as pq
     pq.write_table(pa.Table.from_pylist(gsm8k_rows("test", 3)), tmp_path / "good.parquet")
     assert read(tmp_path / "good.parquet") == read(good)
+    import gzip
+    (tmp_path / "good.jsonl.gz").write_bytes(gzip.compress(good.read_bytes()))
+    with pytest.raises(plumbing.UsageError, match="a gzip file; decompress it"):
+        read(tmp_path / "good.jsonl.gz")
     err = one_line_error(run_script("--model", str(tmp_path / "no_model"), "--no-assert-bitwise",
                                     "--eval-every", "0", cwd=tmp_path))
     assert "--model" in err
@@ -462,6 +477,59 @@ def local_inputs(model_dir) -> list[str]:
             "--eval-dataset", str(gsm8k_jsonl("test"))]
 
 
+def test_inputs_that_need_the_tokenizer_or_the_data_are_refused_before_torch(tmp_path):
+    """Read without torch (`tokenizers`, the jsonl files, the training state's file names): a tokenizer with
+    no chat template where the flags need one, or more tokens than the model's vocabulary; more warm-start
+    questions a step than the train set holds; an eval file that does not exist though evaluation is off;
+    a resumed training state without DCP's files. One line each, exit status 2, in about a second."""
+    model = write_gsm8k_model(tmp_path / "model")
+    big = tmp_path / "big_vocabulary"  # the model, with another model's larger tokenizer
+    shutil.copytree(model, big)
+    shutil.copy(write_gsm8k_model(tmp_path / "other", vocab_size=2048) / "tokenizer.json", big)
+    state = tmp_path / "ckpt" / "training_state"
+    shutil.copytree(model, state.parent)
+    state.mkdir()
+    good = {"args": dataclasses.asdict(make_args(model=str(state.parent), dataset=str(gsm8k_jsonl("train")),
+                                                 eval_every=0, run_name="r")), "step": 1}
+    (state / "run.json").write_text(json.dumps(good))
+    (state / "parity.json").write_text("{}")
+    (state / ".metadata").write_bytes(b"")
+    local = ["--dataset", str(gsm8k_jsonl("train")), "--eval-dataset", str(gsm8k_jsonl("test"))]
+    cases = [(["--model", str(model), *local, "--prompt-format", "chat"], "--prompt-format chat: --model "
+              f"{model}'s tokenizer has no chat template; use plain or auto"),
+             (["--model", str(model), *local, "--thinking"], "--thinking: --model "
+              f"{model}'s tokenizer has no chat template; use --no-thinking"),
+             (["--model", str(big), *local], "for a vocabulary of 1024 (another model's?)"),
+             (["--model", str(model), *local, "--sft-steps", "2", "--sft-batch-size", "1000"],
+              "--sft-batch-size 1000 is more than the train set's 400 questions"),
+             (["--model", str(model), "--dataset", str(gsm8k_jsonl("train")), "--eval-dataset", "nope.jsonl",
+               "--eval-every", "0"], "--eval-dataset nope.jsonl: no such file"),
+             (["--resume", str(state.parent), "--steps", "5"], "its training state is broken (its .distcp files "
+              "missing); copy it again whole, or resume from an earlier checkpoint")]
+    for flags, message in cases:
+        start = time.perf_counter()
+        result = run_script(*flags, env_update=ON, cwd=tmp_path)
+        assert message in one_line_error(result), flags
+        assert time.perf_counter() - start < 10, flags  # no torch: well under torch's import
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big_vocabulary", "ckpt", "model", "other"]  # no more
+
+
+def test_the_hub_out_of_reach_is_one_line_at_once(tmp_path):
+    """The hub's GSM8K or a hub model id with no hub in reach (here an endpoint no name server knows) and
+    nothing cached: one line at once, not half a minute of `datasets`' retries."""
+    model = write_gsm8k_model(tmp_path / "model")
+    env = ON | {"HF_ENDPOINT": "https://hub.invalid", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": ""}
+    for flags, message in [(["--model", str(model), "--eval-every", "0"], "cannot load openai/gsm8k from the hub"),
+                           (["--model", "Org/Model"], "--model Org/Model: cannot download it from the hub")]:
+        start = time.perf_counter()
+        error = one_line_error(run_script(*flags, env_update=env, cwd=tmp_path))
+        assert error == f"error: {message} (the hub is out of reach, and it is not in the local cache)" + (
+            ": pass --dataset and --eval-dataset with local jsonl files" if "gsm8k" in message else
+            "; pass a local checkpoint directory"), error
+        assert time.perf_counter() - start < 10  # datasets' retries took 31 s
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def test_missing_gpu_is_reported_after_the_inputs_are_checked(tmp_path):
     """Good inputs get as far as the GPU check, and a run shorter than the default warm-up is fine."""
     if torch.cuda.is_available():
@@ -494,8 +562,8 @@ def test_a_broken_checkpoint_to_resume_is_one_line(tmp_path):
     good = {"args": asdict(make_args(model=str(ckpt), eval_every=0, run_name="r")), "step": 1}
     wrong_flag = json.loads(json.dumps(good))
     wrong_flag["args"]["optimizer"]["steps"] = "200"
-    cases = [('{"args": {', "is broken"), ("", "is broken"), (json.dumps(dict(good, step="1")), "wrong value: 1"),
-             (json.dumps(wrong_flag), "wrong value: --steps")]
+    cases = [('{"args": {', "is broken"), ("", "is broken"), (json.dumps(dict(good, step="1")), "wrong value: step '1'"),
+             (json.dumps(wrong_flag), "wrong value: the type of --steps")]
     for text, message in cases:
         run_json.write_text(text)
         error = one_line_error(run_script("--resume", str(ckpt), env_update=ON, cwd=tmp_path))
@@ -547,7 +615,7 @@ def test_bad_checkpoints_stop_before_the_engine(tmp_path):
     cases["config.json: not valid JSON"] = edit_config(variant("bad_json"), "{")
     cases["but the model has 512 positions"] = edit_config(variant("short"), json.dumps(config | {
         "max_position_embeddings": 512}))
-    no_tokenizer = cases["its tokenizer has 1 token(s) for a vocabulary of"] = tmp_path / "no_tokenizer"
+    no_tokenizer = cases["no tokenizer files (tokenizer.json)"] = tmp_path / "no_tokenizer"
     no_tokenizer.mkdir()
     for f in ("config.json", "model.safetensors"):
         shutil.copy(good / f, no_tokenizer / f)
@@ -951,7 +1019,7 @@ def test_the_checksum_sees_where_each_weight_lies(tmp_path, moe, tied):
     """The served weights' checksum (vLLM's names, mapped to the trainer's) equals the trainer's for the
     same tensors, and changes when two tensors' contents swap, a row moves, or two values in a row swap: a
     sum of bit patterns saw none of these."""
-    from batch_invariant_backward import served_checksum, trainer_name
+    from batch_invariant_backward import trainer_name, vllm_weights_checksum
 
     experts = dict(experts=4, experts_per_token=2, moe_intermediate=32) if moe else {}
     model = simple_rl.load_qwen3(write_gsm8k_model(tmp_path, tie=tied, **experts), "cpu")
@@ -960,7 +1028,7 @@ def test_the_checksum_sees_where_each_weight_lies(tmp_path, moe, tied):
     assert sorted(map(trainer_name, names)) == sorted(ours)  # one served tensor per trainer tensor
     served = SimpleNamespace(named_parameters=lambda: ((n, ours[trainer_name(n)]) for n in names))
     checksum = simple_rl.trainer_checksum(model, simple_rl.World())
-    assert served_checksum(served) == checksum
+    assert vllm_weights_checksum(served) == checksum
     layer, bit_sum = model.layers[0], sum(int(p.view(torch.int16).sum()) for p in model.parameters())
     changes = [(layer.attention_norm.weight, layer.ffn_norm.weight),  # two tensors' contents swap
                (layer.attention.wqkv.weight,),  # its rows move down by one
@@ -978,6 +1046,41 @@ def test_the_checksum_sees_where_each_weight_lies(tmp_path, moe, tied):
             for t, s in zip(change, saved):
                 t.copy_(s)
     assert simple_rl.trainer_checksum(model, simple_rl.World()) == checksum
+
+
+def test_the_checksum_of_a_tensor_sees_any_swap_and_adds_up_over_shards():
+    """`tensor_checksum` weights each value by its place: a square weight transposed, two values on an
+    anti-diagonal swapped, or any two unequal values swapped change it. FSDP2's shards of a tensor (its rows
+    split as torch.chunk splits them; some ranks empty) give parts that add up to the whole's, modulo 2^64
+    as the ranks' int64 sum wraps (one process standing for each rank of a fake process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from batch_invariant_backward import tensor_checksum
+
+    g = torch.Generator().manual_seed(0)
+    square = torch.randn(64, 64, generator=g).bfloat16()
+    whole = int(tensor_checksum("w", square))
+    assert int(tensor_checksum("w", square.t().contiguous())) != whole
+    for (a, b), (c, d) in [((3, 6), (4, 5)), ((0, 0), (63, 63)), ((10, 2), (11, 1))]:
+        swapped = square.clone()
+        swapped[a, b], swapped[c, d] = square[c, d], square[a, b]
+        assert int(tensor_checksum("w", swapped)) != whole
+    assert int(tensor_checksum("v", square)) != whole
+    rows = torch.randn(7, 5, generator=g).bfloat16()
+    for ranks in (2, 3, 8):
+        parts = []
+        for rank in range(ranks):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+            try:
+                chunks = rows.chunk(ranks) + (rows[:0],) * (ranks - len(rows.chunk(ranks)))
+                shard = DTensor.from_local(chunks[rank], init_device_mesh("cpu", (ranks,)), [Shard(0)],
+                                           run_check=False, shape=rows.shape, stride=rows.stride())
+                parts.append(int(tensor_checksum("w", shard)))
+            finally:
+                dist.destroy_process_group()
+        assert sum(parts) % 2**64 == int(tensor_checksum("w", rows)) % 2**64
 
 
 def test_a_parity_abort_names_the_first_mismatch_before_any_update(tmp_path, monkeypatch):
@@ -1176,7 +1279,8 @@ def cpu_checkpoints(tmp_path: Path, model_dir: Path):
     where it lies and AdamW's next step waits for the write (as with --offload-optimizer)."""
     model = simple_rl.load_qwen3(model_dir, "cpu")
     optimizer = simple_rl.MasterWeights(model, 1e-3, 0.0)
-    args = make_args(run_name="r", output_dir=str(tmp_path / "checkpoints"), keep_last=0)
+    args = make_args(run_name="r", output_dir=str(tmp_path / "checkpoints"), keep_last=0,
+                     dataset=str(gsm8k_jsonl("train")), eval_dataset=str(gsm8k_jsonl("test")))
     return plumbing.Checkpoints(model, functools.partial(simple_rl.hf_weights, model), optimizer, None, model_dir,
                                 args, simple_rl.World()), model, optimizer
 
