@@ -11,8 +11,8 @@
 
 Step benchmark. Both sides run the same GRPO step on the same random weights, the same prompts
 (--prompts random token prompts of 80-200 tokens, --samples each) and the same lengths (every
-completion is --max-new-tokens long: `ignore_eos`), and share one GPU in turns with vLLM's sleep
-mode at the same --vllm-gpu-memory:
+completion --max-new-tokens long, or --lengths thinking: spread as a thinking model's are; `ignore_eos`),
+and share one GPU in turns with vLLM's sleep mode at the same --vllm-gpu-memory:
 - exact: simple_rl.py's own step with VLLM_BATCH_INVARIANT=1: vLLM batch-invariant with CUDA
   graphs and no compile, the trainer on vLLM's kernels in packed micro-batches, every sampled
   token's logprob asserted bitwise equal, the in-process push verified by checksum;
@@ -127,6 +127,18 @@ def bench_prompts(args) -> tuple[list[list[int]], torch.Tensor]:
     return [p for p in prompts for _ in range(args.samples)], rewards
 
 
+def completion_lengths(args, step: int) -> list[int]:
+    """Each request's new tokens in step `step`, the same on both sides: all --max-new-tokens (--lengths
+    fixed), or (--lengths thinking) spread as a thinking model's completions are, long-tailed: log-normal
+    with a median of 0.4 x --max-new-tokens (sigma 0.6, so about 6% reach the cap), at least 16."""
+    n = args.prompts * args.samples
+    if args.lengths == "fixed":
+        return [args.max_new_tokens] * n
+    g = torch.Generator().manual_seed(1000 + step)
+    drawn = args.max_new_tokens * 0.4 * torch.exp(0.6 * torch.randn(n, generator=g))
+    return drawn.round().clamp(16, args.max_new_tokens).long().tolist()
+
+
 class EngineSteps:
     """Times vLLM's engine (of `vllm.LLM` `llm`) from now on: each step's seconds (a decode step of every
     running sequence, or a prefill chunk) and the GPU milliseconds of its model runner's `execute_model` (the
@@ -200,9 +212,9 @@ def exact_step_runner(ckpt: Path, args):
     advantages = simple_rl.group_advantages(rewards, args.samples, True)
     engine_steps = EngineSteps(engine.llm)
 
-    def sample(i: int, after=lambda: None) -> simple_rl.Rollouts:  # every completion --max-new-tokens long
+    def sample(i: int, after=lambda: None) -> simple_rl.Rollouts:  # each completion as long as --lengths says
         seeds = simple_rl.rollout_seeds(0, i, len(prompts))
-        completions, logprobs = engine.generate(prompts, [args.max_new_tokens] * len(prompts), 1.0, seeds,
+        completions, logprobs = engine.generate(prompts, completion_lengths(args, i), 1.0, seeds,
                                                 ignore_eos=True)
         after()
         return simple_rl.Rollouts(prompts, completions, logprobs, rewards, advantages)
@@ -363,11 +375,12 @@ def standard_step_runner(ckpt: Path, args):
         times, memory = {}, {}
         with plumbing.timed_phase("generate", times, memory):
             seeds = simple_rl.rollout_seeds(0, i, len(prompts))
-            sampling = [vllm.SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens,
+            sampling = [vllm.SamplingParams(temperature=1.0, max_tokens=n,
                                             # a standard run: unseeded
                                             seed=s if args.seeded_standard else None,
                                             logprobs=0, flat_logprobs=True,  # the exact side's host work
-                                            detokenize=False, ignore_eos=True) for s in seeds]
+                                            detokenize=False, ignore_eos=True)
+                        for s, n in zip(seeds, completion_lengths(args, i))]
             with gc_off():
                 outputs = llm.generate([vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
                                        use_tqdm=False)
@@ -539,7 +552,8 @@ def step_benchmark(args) -> dict:
     exact, standard = results["exact"], results["standard"]
     print(
         f"\nOne GRPO step, Qwen3-{args.shape} shape ({args.layers or SHAPES[args.shape]['layers']} layers), "
-        f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens, "
+        f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens"
+        f"{' at most (thinking-like lengths)' if args.lengths == 'thinking' else ''}, "
         f"{exact['device']}; median of {args.repeats} x {args.iters} steps "
         f"(sides run {'ABBA'[:2 * args.repeats]})"
     )
@@ -991,14 +1005,16 @@ def decode_side(side: str, args) -> dict:
     """Milliseconds per decode step of one engine (random weights of --shape): `standard` is vLLM's
     defaults (torch.compile and CUDA graphs) sampling from its own generator, the sampled tokens' logprobs
     in vLLM's lists; the exact sides are simple_rl.VLLMEngine.generate (batch-invariant, V2 runner, CUDA
-    graphs, a seed per request, the logprobs kept on the GPU), with vLLM's tiles or tiled_linear's. A step's
-    time is that of 16 + 512 new tokens less that of 16, over 512 steps: 3 such pairs, their median the
-    figure and their lowest and highest its spread."""
+    graphs, a seed per request, the logprobs kept on the GPU), with vLLM's tiles or tiled_linear's, at
+    --decode-seqs sequences of --decode-context prompt tokens each (the KV cache a long generation's tail
+    reads). A step's time is that of 16 + 512 new tokens less that of 16, over 512 steps: 3 such pairs,
+    their median the figure and their lowest and highest its spread."""
     from vllm import SamplingParams, TokensPrompt
 
     directory = Path(tempfile.mkdtemp())
     (directory / "config.json").write_text(json.dumps(shape_config(args.shape, args.layers)))
-    common = dict(gpu_memory_utilization=args.vllm_gpu_memory, max_model_len=1024, load_format="dummy")
+    longest = max(1024, args.decode_context + 528)
+    common = dict(gpu_memory_utilization=args.vllm_gpu_memory, max_model_len=longest, load_format="dummy")
     if side == "decode-standard":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import vllm
@@ -1013,8 +1029,8 @@ def decode_side(side: str, args) -> dict:
         engine = simple_rl.VLLMEngine(directory, seed=0, sleep_mode=False, **common)
     g = torch.Generator().manual_seed(0)
     out = {}
-    for n in (32, 256):
-        prompts = [torch.randint(0, 151936, (128,), generator=g).tolist() for _ in range(n)]
+    for n in args.decode_seqs:
+        prompts = [torch.randint(0, 151936, (args.decode_context,), generator=g).tolist() for _ in range(n)]
 
         def generate(tokens: int) -> float:
             start = time.perf_counter()
@@ -1050,6 +1066,7 @@ def decode_benchmark(args) -> dict:
             cmd = [sys.executable, __file__, "--shape", args.shape,
                    *(["--layers", str(args.layers)] if args.layers else []),
                    "--vllm-gpu-memory", str(args.vllm_gpu_memory), *(["--profile"] if args.profile else []),
+                   "--decode-context", str(args.decode_context), "--decode-seqs", *map(str, args.decode_seqs),
                    "--side", side, "--json", str(out)]
             subprocess.run(cmd, env=env, check=True)
             pairs = {int(n): sorted(t) for n, t in json.loads(out.read_text()).items()}
@@ -1059,13 +1076,13 @@ def decode_benchmark(args) -> dict:
             # printed now too: a run cut short (a timeout, a failing side) still reports the sides it ran
             print(f"  {side}: " + ", ".join(f"{t:.2f} ms at {n} sequences" for n, t in ms.items()),
                   flush=True)
-    print(f"\nA decode step, Qwen3-{args.shape} shape, {torch.cuda.get_device_name()}: ms per step, "
-          "the median of 3 (lowest-highest)")
-    print(f"  {'':<20}{'32 sequences':>20}{'256 sequences':>22}")
+    print(f"\nA decode step, Qwen3-{args.shape} shape, {args.decode_context} prompt tokens, "
+          f"{torch.cuda.get_device_name()}: ms per step, the median of 3 (lowest-highest)")
+    print(f"  {'':<20}" + "".join(f"{f'{n} sequences':>22}" for n in args.decode_seqs))
     for side, ms in results.items():
         print(f"  {side:<20}" + "".join(f"{ms[n]:>8.2f} ({spreads[side][n][0]:.2f}-{spreads[side][n][1]:.2f})"
-                                       for n in (32, 256)))
-    for n in (32, 256) if {"exact", "standard"} <= results.keys() else ():
+                                       for n in args.decode_seqs))
+    for n in args.decode_seqs if {"exact", "standard"} <= results.keys() else ():
         tiles = results.get("exact-vllm-tiles", {}).get(n)
         (lo, hi), (lo_std, hi_std) = spreads["exact"][n], spreads["standard"][n]
         print(f"  exact / standard at {n}: {results['exact'][n] / results['standard'][n]:.2f}x"
@@ -1099,6 +1116,9 @@ def parse_flags() -> argparse.Namespace:
     step.add_argument("--prompts", type=int, default=sampling.prompts_per_step)
     step.add_argument("--samples", type=int, default=sampling.samples_per_prompt)
     step.add_argument("--max-new-tokens", type=int, default=sampling.max_new_tokens)
+    step.add_argument("--lengths", choices=["fixed", "thinking"], default="fixed",
+                      help="fixed: every completion --max-new-tokens long; thinking: long-tailed, a median "
+                      "of 0.4 x --max-new-tokens, about 6%% at the cap (the same on both sides)")
     step.add_argument("--vllm-gpu-memory", type=float, default=engine.vllm_gpu_memory)
     step.add_argument("--max-tokens-per-microbatch", type=int, default=engine.max_tokens_per_microbatch)
     step.add_argument("--activation-checkpointing", action="store_true")
@@ -1129,6 +1149,11 @@ def parse_flags() -> argparse.Namespace:
     kernels.add_argument("--decode", nargs="*", choices=DECODE_SIDES, metavar="SIDE",
                          help="ms per decode step: the standard engine, the exact one with vLLM's and with "
                          f"our tiles (default: all of {', '.join(DECODE_SIDES)})")
+    kernels.add_argument("--decode-context", type=int, default=128,
+                         help="with --decode: each sequence's prompt tokens (4096-16384: a long "
+                         "generation's tail)")
+    kernels.add_argument("--decode-seqs", type=int, nargs="+", default=[32, 256],
+                         help="with --decode: the sequences decoding together, a case each")
     parser.add_argument("--gpus", type=int,
                         help="the scaling benchmark: simple_rl.py on 1 GPU, then on this many")
     parser.add_argument("--fits", nargs="+", metavar="'SHAPE [FLAG ...]'",

@@ -211,8 +211,11 @@ def check_args(args, world_size: int):
     sequence = data.max_prompt_tokens + sampling.max_new_tokens
     paths = (("--model", data.model), ("--dataset", data.dataset), ("--eval-dataset", data.eval_dataset),
              ("--output-dir", run.output_dir), ("--resume", run.resume))
+    samples = sampling.prompts_per_step * sampling.samples_per_prompt
     checks = [
         *[(value is None or value.strip(), f"{name} is empty: give a path") for name, value in paths],
+        (samples <= 2**16, f"--prompts-per-step x --samples-per-prompt = {samples:,} samples a step; give "
+                           "at most 65,536 (a step's completions and logprobs are held in memory at once)"),
         (optimizer.lr < 1, f"--lr {optimizer.lr:g}: AdamW moves each weight by about lr a step; give "
                            "a rate below 1 (the default is 1e-6)"),
         (loss.correction == "none" or not args.parity.assert_bitwise, f"--correction {loss.correction} "
@@ -291,9 +294,12 @@ def read_config(model_dir: Path) -> dict:
     if config.get("model_type") not in ("qwen3", "qwen3_moe") or missing:
         what = f"no {', '.join(missing)}" if missing else f"model_type is {config.get('model_type')!r}"
         raise UsageError(f"{path}: {what}; this trainer needs a Hugging Face Qwen3 or Qwen3-MoE config")
-    for key in keys:
-        if not isinstance(config[key], (int, float)) or isinstance(config[key], bool) or not config[key] > 0:
-            raise UsageError(f"{path}: {key} is {config[key]!r}; it must be a number > 0")
+    counts = [key for key in keys if key != "rms_norm_eps"]  # and head_dim, where given
+    counts += [] if config.get("head_dim") is None else ["head_dim"]
+    for key in ["rms_norm_eps", *counts]:
+        kind, what = ((int,), "an integer") if key in counts else ((int, float), "a number")
+        if not isinstance(config[key], kind) or isinstance(config[key], bool) or not config[key] > 0:
+            raise UsageError(f"{path}: {key} is {config[key]!r}; it must be {what} > 0")
     if config["num_attention_heads"] % config["num_key_value_heads"]:
         raise UsageError(f"{path}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
                          f"num_key_value_heads {config['num_key_value_heads']} (each KV head serves a group "
@@ -369,12 +375,17 @@ def check_checkpoint(model_dir: Path, config: dict, source: str = "--model") -> 
         if missing:
             raise UsageError(f"{source} {model_dir}: {missing[0]} is missing ({index.name} names it among "
                              f"{len(named)} files); download or copy it again")
-    found = {}  # name -> (shape, dtype)
+    found, where = {}, {}  # name -> (shape, dtype), name -> file
     for f in files:
         try:
             with safe_open(f, "numpy") as weights:  # the header is all that is read: no torch needed
+                twice = sorted(name for name in weights.keys() if name in where)
+                if twice:  # which one would load is the order of the files
+                    raise UsageError(f"{source} {model_dir}: {twice[0]} is in {where[twice[0]]} and "
+                                     f"{f.name}; keep one checkpoint's files in the directory")
                 found |= {name: (tuple(weights.get_slice(name).get_shape()),
                                  weights.get_slice(name).get_dtype()) for name in weights.keys()}
+                where |= dict.fromkeys(weights.keys(), f.name)
         except SafetensorError as e:
             raise UsageError(f"{source} {model_dir}: {f.name} is not a whole safetensors file ({e}); "
                              "download or save it again") from None
@@ -470,8 +481,8 @@ def read_gsm8k_file(path: str, answer_format: re.Pattern, flag: str) -> list[dic
     parquet = magic == b"PAR1"
     if parquet:  # through `datasets`, as the hub's own copy of GSM8K is stored
         import datasets
-        datasets.disable_progress_bars()  # the script's line is the one the user reads
-        datasets.logging.set_verbosity_error()
+        datasets.disable_progress_bars()  # the script's line is the one the user reads, not datasets' own
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
         try:
             rows = list(datasets.load_dataset("parquet", data_files=path, split="train"))
         except Exception as e:

@@ -127,7 +127,8 @@ def test_the_decode_table_gives_the_ratio_of_whichever_exact_sides_ran(monkeypat
         bench.Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(dict(zip((32, 256), times))))
     monkeypatch.setattr(bench.subprocess, "run", side)
     monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda: "H200")
-    args = SimpleNamespace(shape="1.7b", layers=None, vllm_gpu_memory=0.5, profile=False)
+    args = SimpleNamespace(shape="1.7b", layers=None, vllm_gpu_memory=0.5, profile=False, decode_context=128,
+                           decode_seqs=[32, 256])
     bench.decode_benchmark(SimpleNamespace(**vars(args), decode=["decode-exact", "decode-standard"]))
     out = capsys.readouterr().out
     assert "exact / standard at 32: 1.20x (the sides' spreads overlap)\n" in out  # 3.3-3.7 against 2.9-3.4
@@ -163,3 +164,16 @@ def test_the_standard_side_pushes_what_a_checkpoint_holds(tmp_path, experts):
     pushed, saved = dict(bench.checkpoint_named(model)), load_file(src / "model.safetensors")
     assert pushed.keys() == saved.keys() == plumbing.checkpoint_shapes(config).keys()
     assert all(torch.equal(pushed[k].view(torch.int16), saved[k].view(torch.int16)) for k in saved)
+
+
+def test_thinking_lengths_are_long_tailed_and_the_same_for_both_sides():
+    """--lengths thinking: each request's new tokens drawn per step from a fixed seed (both sides read the
+    same), a median near 0.4 of the cap, a few at the cap, none under 16; --lengths fixed: all at the cap."""
+    import statistics
+
+    args = SimpleNamespace(prompts=32, samples=8, max_new_tokens=8192, lengths="thinking")
+    lengths = bench.completion_lengths(args, 3)
+    assert lengths == bench.completion_lengths(args, 3) and lengths != bench.completion_lengths(args, 4)
+    assert len(lengths) == 256 and min(lengths) >= 16 and max(lengths) == 8192
+    assert 0.3 < statistics.median(lengths) / 8192 < 0.5 and 0.01 < lengths.count(8192) / 256 < 0.15
+    assert bench.completion_lengths(SimpleNamespace(**vars(args) | {"lengths": "fixed"}), 3) == [8192] * 256

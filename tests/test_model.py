@@ -157,7 +157,9 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
     good = config.read_text()
     for text, message in [(json.dumps(dict(qwen3_config(), model_type="llama")), "model_type is 'llama'; "),
                           (json.dumps({k: v for k, v in qwen3_config().items() if k != "hidden_size"}), "no hidden_size"),
-                          (json.dumps(dict(qwen3_config(), hidden_size="64")), "hidden_size is '64'; it must be a number"),
+                          (json.dumps(dict(qwen3_config(), hidden_size="64")), "hidden_size is '64'; it must be an integer"),
+                          (json.dumps(dict(qwen3_config(), head_dim="16")), "head_dim is '16'; it must be an integer > 0"),
+                          (json.dumps(dict(qwen3_config(), num_hidden_layers=2.5)), "num_hidden_layers is 2.5; it must be an"),
                           (json.dumps(dict(qwen3_config(), rms_norm_eps=0)), "rms_norm_eps is 0; it must be a number > 0"),
                           ("[1, 2]", "a JSON object of the model's settings"), ("{not json", "not valid JSON"),
                           (json.dumps(qwen3_config(experts=4, experts_per_token=2) | {"num_experts_per_tok": 5}),

@@ -304,6 +304,8 @@ def test_bad_flags_give_one_line_errors(tmp_path):
         (["--no-assert-bitwise", "false"], ON, "--no-assert-bitwise is a switch: --assert-bitwise or "
                                                "--no-assert-bitwise, no value"),
         (["--verbose", "1"], ON, "--verbose is a switch: --verbose or --no-verbose, no value"),
+        (["--samples-per-prompt", "100000"], ON, "--prompts-per-step x --samples-per-prompt = 3,200,000 samples a "
+                                                 "step; give at most 65,536"),
     ]
     if os.geteuid() == 0:  # root writes anywhere
         cases = [c for c in cases if not any(str(read_only) in f for f in c[0])]
@@ -433,7 +435,7 @@ def test_files_are_checked_before_torch_loads(tmp_path):
         (["--model", str(model_dir), "--dataset", str(tmp_path / "nope.jsonl"), "--eval-every", "0"],
          f"--dataset {tmp_path / 'nope.jsonl'}: no such file"),
         (["--model", str(model_dir), *data, "--run-name", "r" * 300], "--run-name: 300 bytes; give at most 200"),
-        (["--model", str(model_dir), *data, "--prompts-per-step", "100000"], "more than the train set's 400"),
+        (["--model", str(model_dir), *data, "--prompts-per-step", "1000"], "more than the train set's 400"),
         (["--thinking", "true"], "Unrecognized options: true (see --help); --thinking is a switch: --thinking "
                                  "or --no-thinking, no value"),
     ]
@@ -495,7 +497,12 @@ def test_inputs_that_need_the_tokenizer_or_the_data_are_refused_before_torch(tmp
     (state / "parity.json").write_text("{}")
     (state / ".metadata").write_bytes(b"")
     local = ["--dataset", str(gsm8k_jsonl("train")), "--eval-dataset", str(gsm8k_jsonl("test"))]
-    cases = [(["--model", str(model), *local, "--prompt-format", "chat"], "--prompt-format chat: --model "
+    two = tmp_path / "two_copies"  # a checkpoint's weights, and a copy of them beside
+    shutil.copytree(model, two)
+    shutil.copy(two / "model.safetensors", two / "model-copy.safetensors")
+    cases = [(["--model", str(two), *local], "model.embed_tokens.weight is in model-copy.safetensors and "
+              "model.safetensors; keep one checkpoint's files in the directory"),
+             (["--model", str(model), *local, "--prompt-format", "chat"], "--prompt-format chat: --model "
               f"{model}'s tokenizer has no chat template; use plain or auto"),
              (["--model", str(model), *local, "--thinking"], "--thinking: --model "
               f"{model}'s tokenizer has no chat template; use --no-thinking"),
@@ -511,7 +518,7 @@ def test_inputs_that_need_the_tokenizer_or_the_data_are_refused_before_torch(tmp
         result = run_script(*flags, env_update=ON, cwd=tmp_path)
         assert message in one_line_error(result), flags
         assert time.perf_counter() - start < 10, flags  # no torch: well under torch's import
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["big_vocabulary", "ckpt", "model", "other"]  # no more
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big_vocabulary", "ckpt", "model", "other", "two_copies"]
 
 
 def test_the_hub_out_of_reach_is_one_line_at_once(tmp_path):
@@ -546,7 +553,7 @@ def test_values_the_model_or_data_cannot_take_are_refused(tmp_path):
     holds. One line each, exit status 2, nothing written."""
     inputs = local_inputs(write_gsm8k_model(tmp_path / "model"))
     for flags, message in ((["--top-k", "1000000"], "--top-k 1000000 is more than the vocabulary's"),
-                           (["--prompts-per-step", "1000000"], "is more than the train set's 400 questions")):
+                           (["--prompts-per-step", "1000"], "is more than the train set's 400 questions")):
         assert message in one_line_error(run_script(*inputs, *flags, env_update=ON, cwd=tmp_path)), flags
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
