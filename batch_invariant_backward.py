@@ -1274,10 +1274,10 @@ def exact_add_request(self, req_idx: int, prompt_len: int, sampling_params, *, v
 def exact_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """vLLM 0.20's V2 `compute_token_logprobs` ((rows, V) logits, (rows, n) token ids -> their fp32
     logprobs), through which its sampled, greedy and prompt logprobs all pass, with the trainer's bits
-    (`split_token_logprobs`, or `split_log_softmax` for more than one token a row). vLLM's own Triton kernel
-    sums a row's exponentials in another order, compiled apart for bf16 (prompt) and fp32 (sampler) logits:
-    a prompt token's logprob was one ulp off the trainer's for 3% of tokens, a greedy one's off its prompt
-    logprob's for a fifth."""
+    (`token_logprobs`; for more than one token a row, top-k logprobs, `log_softmax`, which writes the fp32
+    (rows, V) logprobs where vLLM's kernel writes the n). vLLM's own Triton kernel sums a row's exponentials
+    in another order, compiled apart for bf16 (prompt) and fp32 (sampler) logits: a prompt token's logprob
+    was one ulp off the trainer's for 3% of tokens, a greedy one's off its prompt logprob's for a fifth."""
     x = logits.float()
     if token_ids.shape[1] == 1:
         return token_logprobs(x, token_ids[:, 0].long())[:, None]
