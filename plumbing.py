@@ -9,6 +9,7 @@ and the input checks answer before torch, vLLM and the model load (seconds).
 """
 
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -438,6 +439,7 @@ def check_training_state(checkpoint: Path, shape: ModelShape) -> None:
                          "whole, or resume from an earlier checkpoint")
 
 
+@functools.cache  # asked once a run (the model, the train and the test set may each come from the hub)
 def offline_unless_hub_answers() -> bool:
     """Whether the hub is out of reach (no connection within 3 s): then `datasets` and `huggingface_hub` read
     only their local caches (HF_HUB_OFFLINE, read as they are imported), where they would retry for half a
