@@ -219,9 +219,6 @@ def check_args(args, world_size: int):
                            "at most 65,536 (a step's completions and logprobs are held in memory at once)"),
         (optimizer.lr < 1, f"--lr {optimizer.lr:g}: AdamW moves each weight by about lr a step; give "
                            "a rate below 1 (the default is 1e-6)"),
-        (loss.correction == "none" or not args.parity.assert_bitwise, f"--correction {loss.correction} "
-         "weighs tokens by the trainer's and sampler's ratio, 1 in a bitwise run: use it with "
-         "--no-assert-bitwise"),
         (sampling.samples_per_prompt >= 2, "--samples-per-prompt must be at least 2: GRPO normalises rewards "
                                            "within each group"),
         (0 < sampling.top_p <= 1, "--top-p must be in (0, 1] (1 keeps every token)"),

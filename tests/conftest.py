@@ -46,20 +46,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def free_dead_engines() -> None:
+    """The GPU memory of engines no test holds any more, back to the driver (for a new engine, or the script
+    run in a subprocess). vLLM's engine start moves every live object into the collector's permanent
+    generation (`gc.freeze`), where a dead engine is never collected: unfreeze, then collect."""
+    import gc
+
+    gc.unfreeze()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def start_engine(*args, kv_cache_gib: float | None = None, **kwargs):
     """A simple_rl.VLLMEngine, one more in this process. vLLM keeps a process-global workspace that a new
     engine replaces right after its memory snapshot; the old workspace's memory then comes back during the
     new engine's profiling, which vLLM refuses. Drop it (and any dead engine) first. An engine that is not
     the process's first gets a fixed KV cache (`kv_cache_gib`): sizing it from a memory profile fails when
     the earlier engines' buffers move during the profile."""
-    import gc
-
     import simple_rl
     from vllm.v1.worker import workspace
 
     workspace._manager = None
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_dead_engines()
     if kv_cache_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     return simple_rl.VLLMEngine(*args, **kwargs)

@@ -33,7 +33,7 @@ def require_batch_invariance():
     assert (os.environ.get("VLLM_BATCH_INVARIANT") == "1"), "run the GPU tests with VLLM_BATCH_INVARIANT=1"
 
 
-@pytest.fixture(scope="session", params=["qwen3-1.7b-shape", "tiny"])
+@pytest.fixture(scope="module", params=["qwen3-1.7b-shape", "tiny"])  # freed for the next modules
 def served(request, tmp_path_factory):
     """(engine, trainer model, config): a random checkpoint on disk, loaded by both sides."""
     config = TINY if request.param == "tiny" else QWEN3_1P7B
@@ -366,11 +366,14 @@ def test_the_locator_names_each_injected_divergence(served):
 
 def test_cuda_graph_engine_gives_the_eager_bits(served):
     """The same 512 requests through an eager engine: the same tokens and the same logprob bits."""
-    engine, _, config, name, ckpt = served
+    engine, model, config, name, ckpt = served
     if name != "tiny":
         pytest.skip("one eager engine is enough: the parity test covers both shapes with graphs")
     eager = start_engine(ckpt, MEMORY_FRACTION[name], max_model_len=1024, seed=0, cuda_graphs=False,
                          sleep_mode=False, kv_cache_gib=2)
+    eager.push_weights(model)  # the weights `engine` serves: earlier tests may have pushed changed ones
+    eager.check_weights(model, simple_rl.World())
+    assert eager.served_checksum == engine.weights_checksum()
     prompts, graph_completions, graph_lps = sample(engine, config["vocab_size"], 512, seed=6)
     _, eager_completions, eager_lps = sample(eager, config["vocab_size"], 512, seed=6)
     assert graph_completions == eager_completions

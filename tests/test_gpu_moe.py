@@ -33,6 +33,62 @@ SAMPLINGS = {"T=1": dict(temperature=1.0), "thinking (0.6, top-k 20, top-p 0.95)
                                                                                           top_p=0.95)}
 
 
+# The script's runs first: each needs the GPU that the module's engines (`served`) would hold until the
+# module ends.
+MOE_RUN = dict(hidden=512, layers=4, heads=8, kv_heads=4, head_dim=128, intermediate=1536, experts=32,
+               experts_per_token=4, moe_intermediate=256)
+
+
+def test_an_moe_run_is_bitwise_every_step_repeats_and_its_checkpoint_loads(tmp_path):
+    """simple_rl.py on a small mixture of experts: 0 mismatched tokens every step, the experts' load and the
+    router's entropy logged; the same seed again (recomputed activations, an eager engine) gives the same
+    curves; the checkpoint serves the trainer's bits in vLLM and loads in transformers."""
+    model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", **MOE_RUN)
+    on = run(tmp_path, model_dir, "moe", batch_invariant=True)
+    assert values(on, "parity/mismatched_tokens") == [0.0] * STEPS
+    load = values(on, "train/expert_load_max_over_mean/layer_00")
+    entropy = values(on, "train/router_entropy/layer_03")
+    print(f"\n[moe run] expert load max/mean, layer 0: {[round(v, 2) for v in load]}; router entropy, layer 3: "
+          f"{[round(v, 3) for v in entropy]} (uniform: {torch.log(torch.tensor(32.0)):.3f})")
+    assert all(v >= 1 for v in load) and all(0 < v < 3.466 for v in entropy)
+    check_the_checkpoint_serves_the_trainers_bits(tmp_path / "checkpoints" / "moe" / f"step_{STEPS:06d}")
+    again = run(tmp_path, model_dir, "moe_again", batch_invariant=True,
+                extra=["--no-vllm-cuda-graphs", "--activation-checkpointing"])
+    for tag in ("reward/reward_mean", "train/loss", "train/grad_norm", "parity/mismatched_tokens"):
+        assert values(again, tag) == values(on, tag), tag
+
+
+def test_an_moe_run_killed_mid_step_resumes_bit_for_bit(tmp_path):
+    check_a_kill_and_resume(tmp_path, write_gsm8k_model(tmp_path / "model", device="cuda", **MOE_RUN),
+                            ["--offload-optimizer"])
+
+
+def test_the_qwen3_30b_a3b_shape_trains_exactly(tmp_path):
+    """simple_rl.py on the Qwen3-30B-A3B shape at full width, 8 layers (4.8B parameters with the test's
+    vocabulary): 10 steps, 0 mismatched tokens every step. No checkpoint: its training state (77 GB) does
+    not fit this machine's disk beside the rest."""
+    model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", **A3B_8_LAYERS)
+    events = run(tmp_path, model_dir, "a3b", batch_invariant=True,
+                 extra=["--save-every", "-1", "--vllm-gpu-memory", "0.2", "--eval-every", "0"])
+    assert values(events, "parity/mismatched_tokens") == [0.0] * STEPS
+    print(f"\n[Qwen3-30B-A3B shape, 8 layers] step times {[round(v, 2) for v in values(events, 'time/train')]} s "
+          f"(train), peak GPU {max(values(events, 'memory/train_gib')):.1f} GiB")
+
+
+def test_an_inexact_moe_run_locates_where_the_bits_part(tmp_path):
+    """Batch invariance off and --locate-divergence on a mixture of experts: each step's first mismatching
+    sample is traced through vLLM's modules (its router and experts among them) and the trainer's, and the
+    first op whose bits differ is named; vLLM returns each token's experts, and the share of routings to
+    another set than the trainer's is logged."""
+    model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", **MOE_RUN)
+    located = locate_divergences(tmp_path, model_dir, ("router", "experts"))
+    print("\n[MoE locator, batch invariance off] " + "\n".join(located))
+    # vLLM (V1 runner, enable_return_routed_experts) returned each token's experts: the share routed otherwise
+    differs = values(EventAccumulator(str(tmp_path / "runs" / "located")).Reload(), "train/expert_set_differs")
+    print(f"[MoE, batch invariance off] share of (token, layer) routings to other experts: {differs}")
+    assert len(differs) == 2 and all(0 <= v <= 1 for v in differs)
+
+
 @pytest.fixture(scope="module", params=list(SHAPES))
 def served(request, tmp_path_factory):
     """(engine, trainer model, config, name): a random checkpoint on disk, loaded by both sides."""
@@ -127,57 +183,3 @@ def test_changed_weights_pushed_are_served_and_exact(served):
     prompts, completions, vllm_lps = sample(engine, config["vocab_size"], 256, seed=9, prompt_lens=(20, 1000))
     ours = trainer_logprobs(model, prompts, completions, list(range(256)), 16384)
     assert count_mismatches(ours, vllm_lps) == 0
-
-
-MOE_RUN = dict(hidden=512, layers=4, heads=8, kv_heads=4, head_dim=128, intermediate=1536, experts=32,
-               experts_per_token=4, moe_intermediate=256)
-
-
-def test_an_moe_run_is_bitwise_every_step_repeats_and_its_checkpoint_loads(tmp_path):
-    """simple_rl.py on a small mixture of experts: 0 mismatched tokens every step, the experts' load and the
-    router's entropy logged; the same seed again (recomputed activations, an eager engine) gives the same
-    curves; the checkpoint serves the trainer's bits in vLLM and loads in transformers."""
-    model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", **MOE_RUN)
-    on = run(tmp_path, model_dir, "moe", batch_invariant=True)
-    assert values(on, "parity/mismatched_tokens") == [0.0] * STEPS
-    load = values(on, "train/expert_load_max_over_mean/layer_00")
-    entropy = values(on, "train/router_entropy/layer_03")
-    print(f"\n[moe run] expert load max/mean, layer 0: {[round(v, 2) for v in load]}; router entropy, layer 3: "
-          f"{[round(v, 3) for v in entropy]} (uniform: {torch.log(torch.tensor(32.0)):.3f})")
-    assert all(v >= 1 for v in load) and all(0 < v < 3.466 for v in entropy)
-    check_the_checkpoint_serves_the_trainers_bits(tmp_path / "checkpoints" / "moe" / f"step_{STEPS:06d}")
-    again = run(tmp_path, model_dir, "moe_again", batch_invariant=True,
-                extra=["--no-vllm-cuda-graphs", "--activation-checkpointing"])
-    for tag in ("reward/reward_mean", "train/loss", "train/grad_norm", "parity/mismatched_tokens"):
-        assert values(again, tag) == values(on, tag), tag
-
-
-def test_an_moe_run_killed_mid_step_resumes_bit_for_bit(tmp_path):
-    check_a_kill_and_resume(tmp_path, write_gsm8k_model(tmp_path / "model", device="cuda", **MOE_RUN),
-                            ["--offload-optimizer"])
-
-
-def test_the_qwen3_30b_a3b_shape_trains_exactly(tmp_path):
-    """simple_rl.py on the Qwen3-30B-A3B shape at full width, 8 layers (4.8B parameters with the test's
-    vocabulary): 10 steps, 0 mismatched tokens every step. No checkpoint: its training state (77 GB) does
-    not fit this machine's disk beside the rest."""
-    model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", **A3B_8_LAYERS)
-    events = run(tmp_path, model_dir, "a3b", batch_invariant=True,
-                 extra=["--save-every", "-1", "--vllm-gpu-memory", "0.2", "--eval-every", "0"])
-    assert values(events, "parity/mismatched_tokens") == [0.0] * STEPS
-    print(f"\n[Qwen3-30B-A3B shape, 8 layers] step times {[round(v, 2) for v in values(events, 'time/train')]} s "
-          f"(train), peak GPU {max(values(events, 'memory/train_gib')):.1f} GiB")
-
-
-def test_an_inexact_moe_run_locates_where_the_bits_part(tmp_path):
-    """Batch invariance off and --locate-divergence on a mixture of experts: each step's first mismatching
-    sample is traced through vLLM's modules (its router and experts among them) and the trainer's, and the
-    first op whose bits differ is named; vLLM returns each token's experts, and the share of routings to
-    another set than the trainer's is logged."""
-    model_dir = write_gsm8k_model(tmp_path / "model", device="cuda", **MOE_RUN)
-    located = locate_divergences(tmp_path, model_dir, ("router", "experts"))
-    print("\n[MoE locator, batch invariance off] " + "\n".join(located))
-    # vLLM (V1 runner, enable_return_routed_experts) returned each token's experts: the share routed otherwise
-    differs = values(EventAccumulator(str(tmp_path / "runs" / "located")).Reload(), "train/expert_set_differs")
-    print(f"[MoE, batch invariance off] share of (token, layer) routings to other experts: {differs}")
-    assert len(differs) == 2 and all(0 <= v <= 1 for v in differs)

@@ -49,6 +49,7 @@ def script_command(tmp_path, model_dir, name, batch_invariant: bool, extra=()) -
 
 def run(tmp_path, model_dir, name, batch_invariant: bool, extra=()):
     command, env = script_command(tmp_path, model_dir, name, batch_invariant, extra)
+    free_dead_engines()  # the script claims the GPU as on a machine of its own
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # A quiet terminal: vLLM's log, torch's and NCCL's warnings go to runs/<run>/log.txt (--verbose shows them).

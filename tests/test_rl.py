@@ -299,8 +299,6 @@ def test_bad_flags_give_one_line_errors(tmp_path):
         (["--output-dir", " "], ON, "--output-dir is empty: give a path"),
         (["--resume", ""], ON, "--resume is empty: give a path"),
         (["--lr", "1e10"], ON, "--lr 1e+10: AdamW moves each weight by about lr a step; give a rate below 1"),
-        (["--correction", "tis"], ON, "--correction tis weighs tokens by the trainer's and sampler's ratio, 1 in "
-                                      "a bitwise run: use it with --no-assert-bitwise"),
         (["--no-assert-bitwise", "false"], ON, "--no-assert-bitwise is a switch: --assert-bitwise or "
                                                "--no-assert-bitwise, no value"),
         (["--verbose", "1"], ON, "--verbose is a switch: --verbose or --no-verbose, no value"),
