@@ -5,7 +5,7 @@ the eager engine's bits; weights pushed after a sleep are exact; gradients are r
 too, past int32 offsets; the embedding's, the same bits on every call); the re-tiled matmul gives vLLM's
 matmul's bits.
 Run with VLLM_BATCH_INVARIANT=1 (the tests refuse to run without it). One engine per model for
-the whole session, configured as simple_rl.py configures it (CUDA graphs; sleep mode for the 1.7B
+this module (freed after it), configured as simple_rl.py configures it (CUDA graphs; sleep mode for the 1.7B
 shape: vLLM allows one sleep-mode engine per process)."""
 
 import os
