@@ -1,6 +1,6 @@
-"""The data-parallel trainer (torchrun's environment, FSDP2) on the CPU: two processes over gloo, each
-with half of the step's GRPO groups, make the update that one process makes with all of them, and
-gather the same Hugging Face weights and checksum."""
+"""The data-parallel trainer (torchrun's environment, FSDP2) on the CPU: two or four processes over gloo,
+each with its share of the step's GRPO groups, make the update that one process makes with all of them,
+and gather the same Hugging Face weights and checksum; a run killed on four resumes on two."""
 
 import dataclasses
 import functools
@@ -110,22 +110,26 @@ def test_every_rank_takes_rank_0s_run_name(tmp_path):
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["grpo_clock_of_rank_0"] * 2
 
 
-@pytest.mark.parametrize("keep_gathered, experts", [(False, 0), (True, 0), (False, 4)],
-                         ids=["", "kept gathered", "mixture of experts"])
-def test_two_processes_make_the_update_of_one(tmp_path, keep_gathered, experts):
+@pytest.mark.parametrize("processes, keep_gathered, experts", [(2, False, 0), (2, True, 0), (2, False, 4),
+                                                                 (4, False, 0), (4, True, 2)],
+                         ids=["", "kept gathered", "mixture of experts", "4 processes",
+                              "4 processes, kept gathered, 2 experts"])
+def test_processes_make_the_update_of_one(tmp_path, processes, keep_gathered, experts):
     """FSDP2 gathering the weights at every micro-batch, or once a step (its gradients then reduce-scattered
     once, after the last micro-batch): the update of one process. A mixture of experts too (its (E, ...)
-    expert tensors sharded by expert; its routing metrics summed over the ranks)."""
+    expert tensors sharded by expert; its routing metrics summed over the ranks). Four processes: a GRPO
+    group each; with 2 experts, two ranks hold none of the experts' weights (empty shards)."""
     config = qwen3_config(layers=3, experts=experts, experts_per_token=2, moe_intermediate=32)
     model_dir = write_checkpoint(tmp_path / "model", config, seed=1)
     single = one_update(model_dir, 0, 1)
-    mp.spawn(worker, args=(2, free_port(), model_dir, tmp_path / "two.pt", keep_gathered), nprocs=2)
+    mp.spawn(worker, args=(processes, free_port(), model_dir, tmp_path / "two.pt", keep_gathered),
+             nprocs=processes)
     two = torch.load(tmp_path / "two.pt")
 
     assert two["checksum"] == single["checksum"]
     units, micro_batches = 3 + 1, two["micro_batches"]  # FSDP2's: a block each, and the root
-    assert micro_batches >= 3 and two["calls"]["reduce_scatter_tensor"] == units * (1 if keep_gathered else
-                                                                                    micro_batches)
+    assert micro_batches >= 6 // processes and two["calls"]["reduce_scatter_tensor"] == units * (
+        1 if keep_gathered else micro_batches)
     assert two["calls"]["all_gather_into_tensor"] <= (2 * units if keep_gathered else 2 * units * micro_batches)
     assert first_divergence(two["trace"], single["trace"]).startswith("no intermediate tensor differs")
     assert single["weights"].keys() == two["weights"].keys() and single["hf"].keys() == two["hf"].keys()
@@ -243,7 +247,7 @@ def restore_worker(rank: int, world: int, port: int, checkpoint, model_dir, out)
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("saved_on, resumed_on", [(2, 2), (2, 1), (1, 2)])
+@pytest.mark.parametrize("saved_on, resumed_on", [(2, 2), (2, 1), (1, 2), (4, 2)])
 def test_a_killed_run_resumes_on_any_number_of_processes(tmp_path, saved_on, resumed_on):
     """A run that dies in step 3 of 4 resumes from its step-2 checkpoint, whose training state each rank
     wrote as its own shards. On as many processes it ends with the weights, training state and TensorBoard
@@ -252,8 +256,8 @@ def test_a_killed_run_resumes_on_any_number_of_processes(tmp_path, saved_on, res
     from safetensors.torch import load_file
     from test_rl import flat_tensors, scalar_series, training_state
 
-    flags = small_flags(write_gsm8k_model(tmp_path / "model"), steps=4, prompts_per_step=2, eval_every=2,
-                        eval_samples=4, save_every=2, keep_last=0)
+    flags = small_flags(write_gsm8k_model(tmp_path / "model"), steps=4, prompts_per_step=max(2, saved_on),
+                        eval_every=2, eval_samples=4, save_every=2, keep_last=0)
     if saved_on == resumed_on:
         run(saved_on, tmp_path, flags | {"run_name": "whole"})
     run(saved_on, tmp_path, flags | {"run_name": "killed"}, dies=True)
