@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gsm8k_jsonl, start_engine, write_chat_model, write_gsm8k_model
+from conftest import free_dead_engines, gsm8k_jsonl, start_engine, write_chat_model, write_gsm8k_model
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint import FileSystemWriter
 

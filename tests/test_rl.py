@@ -767,6 +767,27 @@ def test_the_story_and_its_plumbing_import_one_way():
         assert [n for n, line in enumerate((REPO / path).read_text().splitlines(), 1) if len(line) > 110] == []
 
 
+def test_every_name_a_file_uses_is_defined_in_it():
+    """The GPU tests (and the GPU paths of the modules) run only on a GPU: a name a file uses but never
+    imports, defines or binds anywhere (a NameError there, on scarce device time) is caught here."""
+    import builtins
+    for path in [*sorted((REPO / "tests").glob("*.py")), *sorted(REPO.glob("*.py"))]:
+        tree, bound = ast.parse(path.read_text()), set(dir(builtins)) | {"__file__"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                bound.add(node.id)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ExceptHandler)):
+                bound.add(node.name)
+            elif isinstance(node, ast.arg):
+                bound.add(node.arg)
+            elif isinstance(node, ast.alias):
+                bound.add((node.asname or node.name).split(".")[0])
+            elif isinstance(node, (ast.Global, ast.Nonlocal)):
+                bound.update(node.names)
+        used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+        assert used <= bound, f"{path.name}: {sorted(used - bound)}"
+
+
 # --- runs of main() with a CPU stand-in for vLLM ---------------------------------------------------
 
 
