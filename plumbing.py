@@ -693,9 +693,9 @@ def read_files(args, answer_format: re.Pattern) -> Files:
                     ("--sft-batch-size", args.warm_start.sft_batch_size if args.warm_start.sft_steps else 0)):
         if n > len(train):
             raise UsageError(f"{name} {n} is more than the train set's {len(train)} questions")
-    evaluation = [] if args.data.eval_dataset is None else (  # read even if unused: a wrong path fails
+    evaluation = None if args.data.eval_dataset is None else (  # read even if unused: a wrong path fails
         read_gsm8k_file(args.data.eval_dataset, answer_format, "--eval-dataset"))
-    evaluation = (evaluation or load_gsm8k("test")) if args.run.eval_every else []
+    evaluation = (load_gsm8k("test") if evaluation is None else evaluation) if args.run.eval_every else []
     return Files(model_dir, config, saved_run(model_dir, type(args))[1] if resume else 0, train, evaluation)
 
 

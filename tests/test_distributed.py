@@ -8,7 +8,6 @@ import os
 import shutil
 import socket
 from contextlib import ExitStack
-from types import SimpleNamespace
 from unittest.mock import patch
 
 import pytest

@@ -11,7 +11,6 @@ import torch
 from conftest import qwen3_config, start_engine, write_checkpoint
 from test_gpu import count_mismatches, sample, trainer_logprobs
 
-import batch_invariant_backward
 import plumbing
 import simple_rl
 

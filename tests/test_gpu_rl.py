@@ -221,7 +221,6 @@ def test_a_save_copies_the_gpu_state_and_adamw_goes_on_beneath_its_write(tmp_pat
     while the write is held (nothing waits), yet the checkpoint, once written, holds the state of the step that
     saved, bit for bit."""
     import threading
-    from types import SimpleNamespace
 
     from safetensors.torch import load_file
     from test_rl import adam_step, flat_tensors, training_state

@@ -28,7 +28,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 from conftest import (QWEN3_CHAT_TEMPLATE, full_gsm8k, gsm8k_jsonl, gsm8k_rows, make_args, write_chat_model,
                       trace, write_gsm8k_model, write_jsonl)
 
-import batch_invariant_backward
 import plumbing
 import simple_rl
 from batch_invariant_backward import first_divergence, truncated
