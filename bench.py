@@ -108,6 +108,11 @@ def peak_gpu_memory(out: dict, gpus: list[str] | None = None):
             out["peak_gib"] = [peaks[i] for i in sorted(peaks, key=int)]
 
 
+def layer_flags(args) -> list[str]:
+    """--layers passed on to a process this one starts (a model written, a side measured)."""
+    return ["--layers", str(args.layers)] if args.layers else []
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as nvidia-smi names them."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -643,8 +648,8 @@ def fits_benchmark(args) -> dict:
             shape, *flags = config.split()
             model = workdir / f"model_{shape}"
             if not model.exists():  # written by another process: this one holds no GPU memory
-                subprocess.run([sys.executable, __file__, "--shape", shape, "--write-model", str(model),
-                                "--gsm8k", str(args.gsm8k)], check=True)
+                subprocess.run([sys.executable, __file__, "--shape", shape, *layer_flags(args), "--write-model",
+                                str(model), "--gsm8k", str(args.gsm8k)], check=True)
             results[config] = script_run(1, model, workdir, args, flags, name=f"fits_{i}")
             if all(c.split()[0] != shape for c in args.fits[i + 1:]):  # disk: an 8B model is 16 GB
                 shutil.rmtree(model)
@@ -669,9 +674,8 @@ def scaling_benchmark(args) -> dict:
         workdir = Path(tmp)
         # Written by another process: this one holds no GPU memory while the runs are measured.
         model = workdir / "model"
-        layers = ["--layers", str(args.layers)] if args.layers else []
-        subprocess.run([sys.executable, __file__, "--shape", args.shape, *layers, "--write-model", str(model),
-                        "--gsm8k", str(args.gsm8k)], check=True)
+        subprocess.run([sys.executable, __file__, "--shape", args.shape, *layer_flags(args), "--write-model",
+                        str(model), "--gsm8k", str(args.gsm8k)], check=True)
         runs = {"1 GPU": script_run(1, model, workdir, args),
                 f"{n} GPUs": script_run(n, model, workdir, args, name="strong"),
                 f"{n} GPUs, {n}x": script_run(n, model, workdir, args, name="weak", prompts=n * args.prompts)}
@@ -1064,7 +1068,7 @@ def decode_benchmark(args) -> dict:
                 env["VLLM_BATCH_INVARIANT"] = "1"
             out = Path(tmp) / "side.json"
             cmd = [sys.executable, __file__, "--shape", args.shape,
-                   *(["--layers", str(args.layers)] if args.layers else []),
+                   *layer_flags(args),
                    "--vllm-gpu-memory", str(args.vllm_gpu_memory), *(["--profile"] if args.profile else []),
                    "--decode-context", str(args.decode_context), "--decode-seqs", *map(str, args.decode_seqs),
                    "--side", side, "--json", str(out)]

@@ -160,7 +160,8 @@ def build(out: Path, max_operand: int) -> None:
 def scalars(run_dir: Path, tag: str) -> list[float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    return [e.value for e in EventAccumulator(str(run_dir)).Reload().Scalars(tag)]
+    events = EventAccumulator(str(run_dir)).Reload()
+    return [e.value for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []  # none: it failed
 
 
 RUNS = {  # run name: (label, colour, what it adds to the demo's flags, VLLM_BATCH_INVARIANT)
@@ -195,8 +196,11 @@ def plot(run_dirs: dict[str, Path], png: Path) -> None:
 
 def summary(run_dir: Path) -> str:
     rewards, mismatched = scalars(run_dir, "reward/reward_mean"), scalars(run_dir, "parity/mismatched_tokens")
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    return (f"{run_dir.name}: {len(rewards)} steps, mean reward first 10 {first:.3f} -> last 10 {last:.3f} "
+    if not rewards:
+        return f"{run_dir.name}: no step logged (runs/{run_dir.name}/log.txt says why)"
+    n = min(10, len(rewards))
+    first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
+    return (f"{run_dir.name}: {len(rewards)} steps, mean reward first {n} {first:.3f} -> last {n} {last:.3f} "
             f"({last / max(first, 1e-9):.2f}x, {last - first:+.3f}); mismatched tokens per step: "
             f"max {max(mismatched):.0f}, total {sum(mismatched):.0f}")  # fmt: skip
 
@@ -234,9 +238,9 @@ def main():
             command = [sys.executable, str(HERE / "simple_rl.py"), *flags, "--run-name", name, *extra]
             if subprocess.run(command, env=env).returncode:
                 sys.exit(f"error: the {name} run failed (its output is above)")
-    existing = {name: run for name, run in runs.items() if run.exists()}
-    for run in existing.values():
+    for run in (run for run in runs.values() if run.exists()):
         print(summary(run))
+    existing = {name: run for name, run in runs.items() if run.exists() and scalars(run, "reward/reward_mean")}
     if len(existing) > 1:
         plot(existing, args.out / "on_vs_off.png")
         print(f"figure: {args.out / 'on_vs_off.png'}")

@@ -85,6 +85,12 @@ def saved_run(checkpoint: Path, args_class: type) -> tuple:
     return args_class(**groups), step
 
 
+def switch_names(args_class: type) -> set[str]:
+    """The flags (without their dashes) that are switches: the bool fields of the flag groups."""
+    return {flag(f.name)[2:] for group in dataclasses.fields(args_class)
+            for f in dataclasses.fields(group.default_factory) if isinstance(f.default, bool)}
+
+
 def tyro_cli(args_class: type, **options):
     """tyro's parse; its boxed error (a mistyped flag or value) made one line, with the flags it names."""
     try:
@@ -100,9 +106,10 @@ def tyro_cli(args_class: type, **options):
         flags = ", ".join(row for row in rows if row.startswith("--")) or "--help"
         argv = options.get("args")
         argv = sys.argv[1:] if argv is None else argv
-        switches = [f"; {flag} is a switch: --{name} or --no-{name}, no value"
-                    for flag, value in zip(argv, argv[1:]) for name in [flag[2:].removeprefix("no-")]
-                    if flag.startswith("--") and value.lower() in ("true", "false", "1", "0", "yes", "no")]
+        switches = [f"; {given} is a switch: --{name} or --no-{name}, no value"
+                    for given, value in zip(argv, argv[1:]) for name in [given[2:].removeprefix("no-")]
+                    if given.startswith("--") and name in switch_names(args_class)
+                    and value.lower() in ("true", "false", "1", "0", "yes", "no")]
         message = f"{' '.join(rows[1:rows.index('', 1)])} (see {flags})"
         raise UsageError(message + "".join(switches[:1])) from None
 
@@ -139,8 +146,9 @@ def exit_on(error: Exception, status: int) -> None:
         print(f"error: {error}", file=TERMINAL)
     if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's summary then names this line as the root cause
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-        if sys.exception() is not None:  # the record keeps the handled error's stack: torchrun would print
-            sys.exception().__traceback__ = None  # every rank's; the line is the message
+        handled = sys.exc_info()[1]
+        if handled is not None:  # the record keeps the handled error's stack: torchrun would print
+            handled.__traceback__ = None  # every rank's; the line is the message
         ErrorHandler().record_exception(SystemExit(f"error: {error}"))
     sys.exit(status)
 
@@ -251,7 +259,8 @@ def check_args(args, world_size: int):
          "set VLLM_BATCH_INVARIANT=1, or pass --no-assert-bitwise to run anyway and report the mismatch"),
         *[(n % world_size == 0, f"{name} {n} must be a multiple of the {world_size} processes")
           for name, n in (("--prompts-per-step", sampling.prompts_per_step),
-                          ("--sft-batch-size", args.warm_start.sft_batch_size))],
+                          ("--sft-batch-size", args.warm_start.sft_batch_size if args.warm_start.sft_steps
+                           and not run.resume else 0))],  # a resume never warm-starts
     ]
     for ok, message in checks:
         if not ok:
@@ -262,11 +271,9 @@ def check_args(args, world_size: int):
         name = time.strftime("grpo_%Y%m%d_%H%M%S")
         args = dataclasses.replace(args, run=dataclasses.replace(run, run_name=name))
     check_output(args.run)
-    if optimizer.warmup_steps > optimizer.steps:
+    if optimizer.warmup_steps > optimizer.steps:  # `lr_at` shortens it; the flag stays, for a resume
         print(f"note: --warmup-steps {optimizer.warmup_steps} is more than --steps {optimizer.steps}: the "
               f"learning rate warms up over all {optimizer.steps} steps")
-        warm_all = dataclasses.replace(optimizer, warmup_steps=optimizer.steps)
-        args = dataclasses.replace(args, optimizer=warm_all)
     return args
 
 def rope_parameters(config: dict) -> dict:
@@ -387,6 +394,11 @@ def check_checkpoint(model_dir: Path, config: dict, source: str = "--model") -> 
         except SafetensorError as e:
             raise UsageError(f"{source} {model_dir}: {f.name} is not a whole safetensors file ({e}); "
                              "download or save it again") from None
+        except OSError as e:
+            why = (f"links to {os.readlink(f)}, which does not exist" if f.is_symlink() and not f.exists()
+                   else f"cannot be read ({e.strerror or e})")  # the first: a hub cache copied without blobs
+            raise UsageError(f"{source} {model_dir}: {f.name} {why}; copy the model with its files (cp -L) "
+                             "or download it again") from None
     expected = checkpoint_shapes(config)
     if config.get("tie_word_embeddings", False):
         found.pop("lm_head.weight", None)  # some tied checkpoints store the head too; it is the embedding
@@ -467,6 +479,9 @@ def load_gsm8k(split: str) -> list[dict]:
     return [{"question": r["question"], "answer": r["answer"]} for r in rows]
 
 
+BLANK = object()  # a jsonl's empty line: skipped (a JSON null is a row, and refused)
+
+
 def read_gsm8k_file(path: str, answer_format: re.Pattern, flag: str) -> list[dict]:
     """[{question, answer}] of a local GSM8K-format jsonl (or parquet, the hub's format), each row checked: an
     answer holds `answer_format` (the reward's: GSM8K's '#### N'). `flag` names where the path came from."""
@@ -496,20 +511,22 @@ def read_gsm8k_file(path: str, answer_format: re.Pattern, flag: str) -> list[dic
                 raise UsageError(f"{flag} {path} line {n}: not UTF-8 text (save the jsonl as "
                                  "UTF-8)") from None
             try:
-                rows.append(json.loads(line) if line.strip() else None)
+                rows.append(json.loads(line) if line.strip() else BLANK)
             except json.JSONDecodeError:
                 raise UsageError(f"{flag} {path} line {n}: not valid JSON") from None
     checked = []
     for n, row in enumerate(rows, 1):
-        if row is None:
+        if row is BLANK:
             continue
         if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))):
             raise UsageError(f"{flag} {path} {where} {n}: need a JSON object with string fields 'question', "
                              "'answer'")
+        if not row["question"].strip():  # the prompt would be the instruction alone
+            raise UsageError(f"{flag} {path} {where} {n}: the question is empty")
         # GSM8K's answers end in '#### N': a bare last number would be a guess at the answer.
         if not answer_format.search(row["answer"]):
-            raise UsageError(f"{flag} {path} {where} {n}: the answer does not end in '#### N' with N a "
-                             "number (GSM8K's format)")
+            raise UsageError(f"{flag} {path} {where} {n}: the answer holds no '#### N' with N a number "
+                             "(GSM8K's answers end in it: the reward's label is its first)")
         checked.append({"question": row["question"], "answer": row["answer"]})
     if not checked:
         raise UsageError(f"{flag} {path}: no examples")
@@ -1033,6 +1050,13 @@ class CheckpointError(Exception):
     """A save that failed (a full disk): one line, exit status 1; the earlier checkpoints stand."""
 
 
+def checkpoints_before(run_dir: Path, step: int) -> list[Path]:
+    """A run's whole checkpoints (step_N) before `step`, oldest first. Later ones are those of the run that a
+    run resumed from an earlier checkpoint branched from: each is replaced as the branch reaches its step."""
+    found = [(int(d.name[5:]), d) for d in run_dir.glob("step_*") if d.name[5:].isdigit()]
+    return [d for n, d in sorted(found) if n < step]
+
+
 class Checkpoints:
     """<output_dir>/<run_name>/step_N, written as training goes on: `save` copies what the step left to host
     memory, which dcp.async_save's thread (not a process: it writes the copies where they lie) writes; `wait`
@@ -1080,7 +1104,7 @@ class Checkpoints:
             print(f"checkpoint step_{step:06d} waited {waited:.1f} s for {self.out_dir.name}'s write "
                   f"({self.ended - self.begun:.1f} s, against {begun - self.begun:.1f} s of steps between "
                   "the saves): save less often (--save-every) or to a faster disk")
-        self.out_dir = Path(args.run.output_dir) / args.run.run_name / f"step_{step:06d}"
+        self.step, self.out_dir = step, Path(args.run.output_dir) / args.run.run_name / f"step_{step:06d}"
         self.tmp = self.out_dir.with_name(f".{self.out_dir.name}.partial")
         if world.is_main:  # a partial folder a killed run left goes (DCP makes the new one, in its thread)
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -1141,14 +1165,14 @@ class Checkpoints:
                     write_whole(Path(self.tensorboard.log_dir) / "parity.json", record)
             if main and out.parent.is_dir() and not any(out.parent.iterdir()):
                 out.parent.rmdir()  # the run's first save: nothing of it stays
-            last = sorted(out.parent.glob("step_[0-9]*")) if out.parent.exists() else []
+            last = checkpoints_before(out.parent, self.step)
             raise CheckpointError(f"checkpoint {out} not written ({why}): "
                                   f"{in_units(free)} free, it takes about {in_units(need)}; the last whole "
                                   f"checkpoint is {last[-1] if last else 'none'}") from None
         if main and not error:  # every rank's part written: renamed into place
             self.tmp.rename(out)
             print(f"checkpoint {out} written in {self.ended - self.begun:.1f} s, a {self.held:.1f} s stall")
-            oldest = sorted(out.parent.glob("step_[0-9]*"))[: -args.run.keep_last]
+            oldest = checkpoints_before(out.parent, self.step + 1)[: -args.run.keep_last]
             for old in [*out.parent.glob(".step_*"), *oldest]:  # and what a run killed mid-save left
                 if old.resolve() != self.model_dir.resolve():  # a resumed run's tokenizer is there
                     shutil.rmtree(old)

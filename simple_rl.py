@@ -753,9 +753,10 @@ def grpo_loss(policy: TokenLogprobs, sampler_logprobs, advantages, *, lengths: l
 
 # ===== Train step =====
 def lr_at(step: int, cfg: Optimizer) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    warmup = min(cfg.warmup_steps, cfg.steps)  # a run shorter than its warm-up warms up over all its steps
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 

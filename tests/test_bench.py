@@ -2,6 +2,7 @@
 the ratio line's word when the sides' spreads overlap, the decode table's ratios; the standard side's padded
 micro-batches and its push's names."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -177,3 +178,23 @@ def test_thinking_lengths_are_long_tailed_and_the_same_for_both_sides():
     assert len(lengths) == 256 and min(lengths) >= 16 and max(lengths) == 8192
     assert 0.3 < statistics.median(lengths) / 8192 < 0.5 and 0.01 < lengths.count(8192) / 256 < 0.15
     assert bench.completion_lengths(SimpleNamespace(**vars(args) | {"lengths": "fixed"}), 3) == [8192] * 256
+
+
+def test_fits_writes_each_shape_with_the_layers_asked_for(monkeypatch, tmp_path):
+    """--fits with --layers: the model written for each configuration has those layers (its run is simple_rl.py
+    on a GPU: here, what it returned)."""
+    written = []
+
+    def write(command, check):
+        written.append(command)
+        Path(command[command.index("--write-model") + 1]).mkdir()
+    monkeypatch.setattr(bench.subprocess, "run", write)
+    monkeypatch.setattr(bench, "script_run", lambda *a, **k: {"step": 1.0, "train": 0.5, "peak_gib": [2.0],
+                                                              "host_peak_gib": 3.0, "mismatched_tokens": [0],
+                                                              "planned": "plan"})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "a GPU")
+    args = SimpleNamespace(fits=["30b-a3b --vllm-gpu-memory 0.2", "1.7b"], layers=4, gsm8k=tmp_path / "t.jsonl",
+                           prompts=32, samples=8, max_new_tokens=512, iters=2)
+    bench.fits_benchmark(args)
+    assert [command[command.index("--shape") + 1: command.index("--write-model")] for command in written] == [
+        ["30b-a3b", "--layers", "4"], ["1.7b", "--layers", "4"]]

@@ -42,6 +42,27 @@ def test_summary_and_plot_from_two_runs(tmp_path):
     assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_only_takes_short_and_failed_runs(tmp_path):
+    """--plot-only over runs/ as runs leave it: one of 4 steps (means over 4, not 10), one that failed before its
+    first step (a log, no scalars: said, not plotted), and one never started."""
+    writer = SummaryWriter(str(tmp_path / "runs" / "demo_on"))
+    for step, r in enumerate([0.2, 0.2, 0.6, 0.6]):
+        writer.add_scalar("reward/reward_mean", r, step)
+        writer.add_scalar("parity/vllm_kl", 0.0, step)
+        writer.add_scalar("parity/mismatched_tokens", 0, step)
+    writer.close()
+    (tmp_path / "runs" / "demo_off").mkdir()
+    (tmp_path / "runs" / "demo_off" / "log.txt").write_text("error: out of memory\n")
+    demo = Path(__file__).resolve().parents[1] / "offline_demo.py"
+    result = subprocess.run([sys.executable, str(demo), "--plot-only"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "demo_on: 4 steps, mean reward first 4 0.400 -> last 4 0.400 (1.00x, +0.000); mismatched tokens per "
+        "step: max 0, total 0", "demo_off: no step logged (runs/demo_off/log.txt says why)"]
+    assert not (tmp_path / "demo").exists()  # one run with steps: no figure to compare
+
+
 def test_without_a_gpu_the_demo_says_so_and_builds_nothing(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

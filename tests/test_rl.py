@@ -161,6 +161,28 @@ def test_learning_rate_schedule():
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == 1.0 and abs(lrs[9] - 0.55) < 1e-12 and lrs[-1] > 0.1
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    # A run shorter than its warm-up warms up over all its steps; the flag is kept, so that a resume with more
+    # --steps warms up as the flag says (not over the first run's steps).
+    short = plumbing.check_args(make_args(warmup_steps=10, steps=4, assert_bitwise=False), 1)
+    assert short.optimizer.warmup_steps == 10
+    assert [simple_rl.lr_at(s, short.optimizer) * 1e6 / short.optimizer.lr for s in range(4)] == [
+        0.25e6, 0.5e6, 0.75e6, 1e6]
+    longer = dataclasses.replace(short.optimizer, steps=200)
+    assert simple_rl.lr_at(5, longer) == longer.lr * 6 / 10
+
+
+def test_the_warm_start_batch_divides_by_the_processes_only_when_there_is_a_warm_start():
+    args = make_args(prompts_per_step=33, assert_bitwise=False)  # --sft-batch-size 64, no --sft-steps
+    assert plumbing.check_args(args, 3).sampling.prompts_per_step == 33
+
+
+def test_a_number_flag_is_not_called_a_switch():
+    """The hint that a switch takes no value is for switches alone (a number flag's 0 or 1 is a value)."""
+    for argv, switch in ((["--seed", "1", "--stepz", "5"], None), (["--steps", "0", "--lr", "abc"], None),
+                         (["--offload-optimizer", "yes"], "--offload-optimizer")):
+        with pytest.raises(plumbing.UsageError) as error:
+            plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, argv)
+        assert ("is a switch" in str(error.value)) == bool(switch), (argv, str(error.value))
 
 
 def test_parity_compares_bits_and_names_the_first_mismatch():
@@ -280,6 +302,8 @@ def test_bad_flags_give_one_line_errors(tmp_path):
         ([], {"VLLM_BATCH_INVARIANT": "0"}, "VLLM_BATCH_INVARIANT is 0, so"),
         ([], {"VLLM_BATCH_INVARIANT": "true"}, "VLLM_BATCH_INVARIANT is 'true', but vLLM reads it as an integer"),
         (["--prompts-per-step", "3"], ON | {"WORLD_SIZE": "2"}, "must be a multiple of the 2 processes"),
+        (["--prompts-per-step", "3", "--sft-steps", "1"], ON | {"WORLD_SIZE": "3"},
+         "--sft-batch-size 64 must be a multiple of the 3 processes"),
         (["--temperature", "nan"], ON, "--temperature must be a finite number"),
         (["--temperature", "1e-30"], ON, "is below 1e-5, where vLLM samples greedily"),
         (["--seed", "-1"], ON, "--seed must be >= 0"),
@@ -375,11 +399,14 @@ def test_bad_files_give_one_line_errors(tmp_path):
     no_hashes = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "so 3 + 4 = 7"}])
     words = write_jsonl(tmp_path / "e.jsonl", [{"question": "q", "answer": "#### five"}])
     (tmp_path / "c.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{not json\n')
+    (tmp_path / "null.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n\nnull\n')  # line 2 blank
+    no_question = write_jsonl(tmp_path / "f.jsonl", [{"question": " ", "answer": "#### 1"}])
     (tmp_path / "utf16.jsonl").write_text(good.read_text(), encoding="utf-16")
     (tmp_path / "bom.jsonl").write_text(good.read_text(), encoding="utf-8-sig")  # as Windows editors save
     cases = [(tmp_path / "nope.jsonl", "no such file"), (tmp_path, "a directory"),
-             (missing_field, "line 2: need a JSON object"), (no_number, "line 1: the answer does not end in '#### N'"),
-             (no_hashes, "line 1: the answer does not end in '#### N'"), (words, "with N a number"),
+             (missing_field, "line 2: need a JSON object"), (no_number, "line 1: the answer holds no '#### N'"),
+             (no_hashes, "line 1: the answer holds no '#### N'"), (words, "with N a number"),
+             (tmp_path / "null.jsonl", "line 3: need a JSON object"), (no_question, "line 1: the question is empty"),
              (tmp_path / "c.jsonl", "line 2: not valid JSON"), (tmp_path / "utf16.jsonl", "not UTF-8 text")]
     # bytes that are no UTF-8 in the third line: the line is named
     lines = good.read_bytes().splitlines()
@@ -610,6 +637,10 @@ def test_bad_checkpoints_stop_before_the_engine(tmp_path):
     weights = load_file(incomplete / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, incomplete / "model.safetensors")
+    dangling = cases[f"model.safetensors links to {tmp_path / 'blobs' / '0123abc'}, which does not exist; copy "
+                     "the model with its files (cp -L)"] = variant("dangling")  # a hub snapshot without blobs
+    (dangling / "model.safetensors").unlink()
+    (dangling / "model.safetensors").symlink_to(tmp_path / "blobs" / "0123abc")
     fp32 = cases["the weights are F32; both sides run bf16 weights"] = variant("fp32")
     save_file({k: v.float() for k, v in load_file(fp32 / "model.safetensors").items()}, fp32 / "model.safetensors")
     config = json.loads((good / "config.json").read_text())
@@ -1272,6 +1303,28 @@ def test_a_mixture_of_experts_run_logs_its_routing_saves_and_resumes_bit_for_bit
                              device="cpu", engine_class=recording(engines))
     assert engines[0].return_routed_experts
     assert [v for _, v in scalar_series(run_dir)["train/expert_set_differs"]] == [0.0, 0.0]  # one model samples
+
+
+def test_a_branch_from_an_earlier_checkpoint_keeps_its_own_newest(tmp_path, monkeypatch):
+    """A run of 4 saved steps, resumed from step 1 with another --lr for 3 steps and --keep-last 2: the branch
+    replaces steps 2 and 3 and prunes by step number up to its own (not the old run's step 4, which stays)."""
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    simple_rl.main(small_run(model_dir, run_name="r", steps=4, lr=1e-3, eval_every=0, save_every=1, keep_last=0,
+                             assert_bitwise=False), device="cpu", engine_class=TrainerAsSampler)
+    run = tmp_path / "checkpoints" / "r"
+    assert sorted(p.name for p in run.iterdir()) == [f"step_00000{n}" for n in (1, 2, 3, 4)]
+    args = plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, [
+        "--resume", str(run / "step_000001"), "--steps", "3", "--keep-last", "2", "--lr", "5e-4"])
+    simple_rl.main(args, device="cpu", engine_class=TrainerAsSampler)
+    # step 1 is where the branch began (its tokenizer serves the branch); 2 and 3 the branch's; 4 the old run's
+    assert sorted(p.name for p in run.iterdir()) == [f"step_00000{n}" for n in (1, 2, 3, 4)]
+    lrs = {n: json.loads((run / f"step_00000{n}" / "training_state" / "run.json").read_text())["args"]
+           ["optimizer"]["lr"] for n in (1, 2, 3, 4)}
+    assert lrs == {1: 1e-3, 2: 5e-4, 3: 5e-4, 4: 1e-3}
+    assert [d.name for d in plumbing.checkpoints_before(run, 10**7)] == [f"step_00000{n}" for n in (1, 2, 3, 4)]
+    (run / "step_1000000").mkdir()  # past six digits: by number, not by name
+    assert plumbing.checkpoints_before(run, 10**7)[-1].name == "step_1000000"
 
 
 def test_a_resume_on_another_stack_warns(tmp_path, monkeypatch, capsys):
