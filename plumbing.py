@@ -140,6 +140,12 @@ def parse_command_line(args_class: type, doc: str, argv: list[str] | None = None
     return args
 
 
+def say_once(line: str) -> None:
+    """A note of the checks every rank makes: printed by rank 0 alone under torchrun."""
+    if torchrun_rank_and_size()[0] == 0:
+        print(line)
+
+
 def exit_on(error: Exception, status: int) -> None:
     """The one way out on an error: a line on stderr (from rank 0 alone under torchrun), and the status."""
     if torchrun_rank_and_size()[0] == 0:
@@ -237,6 +243,9 @@ def check_args(args, world_size: int):
         (optimizer.steps <= 10**8, "--steps must be at most 100,000,000 (a step takes seconds)"),
         (not (data.thinking and data.prompt_format == "plain"), "--thinking opens a <think> block in Qwen3's "
          "chat template: use --prompt-format chat or auto"),
+        (not (data.thinking and args.warm_start.sft_steps and not run.resume), "--sft-steps trains on the "
+         "reference answers, which hold no <think> block: with --thinking it teaches answering without "
+         "thinking; drop one of them"),
         (not (args.parity.locate_divergence and args.parity.assert_bitwise), "--locate-divergence is for "
          "--no-assert-bitwise runs: a parity abort always locates the divergence"),
         (loss.kl_coef == 0 or (sampling.top_k == 0 and sampling.top_p == 1), "--kl-coef must be 0 with "
@@ -272,8 +281,8 @@ def check_args(args, world_size: int):
         args = dataclasses.replace(args, run=dataclasses.replace(run, run_name=name))
     check_output(args.run)
     if optimizer.warmup_steps > optimizer.steps:  # `lr_at` shortens it; the flag stays, for a resume
-        print(f"note: --warmup-steps {optimizer.warmup_steps} is more than --steps {optimizer.steps}: the "
-              f"learning rate warms up over all {optimizer.steps} steps")
+        say_once(f"note: --warmup-steps {optimizer.warmup_steps} is more than --steps {optimizer.steps}: the "
+                 f"learning rate warms up over all {optimizer.steps} steps")
     return args
 
 def rope_parameters(config: dict) -> dict:
@@ -291,11 +300,14 @@ def read_config(model_dir: Path) -> dict:
         raise UsageError(f"{path}: cannot read it ({e.strerror})") from None
     if not isinstance(config, dict):
         raise UsageError(f"{path}: a JSON object of the model's settings was expected")
+    if "num_local_experts" in config:  # transformers 5 saves Qwen3-MoE's num_experts by this name
+        config.setdefault("num_experts", config["num_local_experts"])
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
             "intermediate_size", "rms_norm_eps", "max_position_embeddings")
     if config.get("model_type") == "qwen3_moe":
         keys += ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
     missing = [key for key in keys if key not in config]
+    missing += [] if "rope_theta" in rope_parameters(config) | config else ["rope_theta"]  # defaults differ
     if config.get("model_type") not in ("qwen3", "qwen3_moe") or missing:
         what = f"no {', '.join(missing)}" if missing else f"model_type is {config.get('model_type')!r}"
         raise UsageError(f"{path}: {what}; this trainer needs a Hugging Face Qwen3 or Qwen3-MoE config")
@@ -544,6 +556,10 @@ def encoded_split(rows: list[dict], name: str, encode: Callable, data) -> list[d
     return kept
 
 
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # what --model fetches from the hub:
+# config, weights, tokenizer (transformers 5 saves a chat template only as chat_template.jinja)
+
+
 def resolve_model_dir(model: str) -> Path:
     """--model's checkpoint directory: a local one (the hub cache's folder of a model: its snapshot), or a
     hub id's, downloaded."""
@@ -565,19 +581,24 @@ def resolve_model_dir(model: str) -> Path:
     offline = offline_unless_hub_answers()
     from huggingface_hub import snapshot_download
     try:
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+        return Path(snapshot_download(model, allow_patterns=HUB_FILES))
     except Exception as e:
         why = "the hub is out of reach, and it is not in the local cache" if offline else type(e).__name__
         raise UsageError(f"--model {model}: cannot download it from the hub ({why}); pass a local checkpoint "
                          "directory") from e
 
 
-def end_of_sequence_ids(tokenizer, config: dict, model_dir: Path) -> list[int]:
+def end_of_sequence_ids(tokenizer, config: dict, model_dir: Path, chat: bool) -> list[int]:
+    """The tokens that end a completion, the one an answer ends with first: in chat, the end of a turn
+    (<|im_end|>: a Qwen3-Base tokenizer's eos is <|endoftext|>), else the tokenizer's eos."""
     eos = config.get("eos_token_id")
-    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+    ends = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+    turn_end = tokenizer.get_vocab().get("<|im_end|>") if chat else None
+    first = [i for i in (turn_end, tokenizer.eos_token_id) if i is not None][:1]
+    ids = [*first, *sorted(ends - {None, *first})]
     if not ids:
         raise UsageError(f"{model_dir}: neither the tokenizer nor config.json names an end-of-sequence token")
-    return sorted(ids)
+    return ids
 
 
 def in_units(n: float) -> str:
@@ -602,8 +623,8 @@ def check_disk(args, parameters: int) -> None:
         raise UsageError(f"--output-dir {root}: {in_units(free)} free, but a checkpoint of this model takes "
                          f"about {in_units(one)}; free some, give another --output-dir, or --save-every -1")
     if free < most:
-        print(f"warning: {root} has {in_units(free)} free; the run's checkpoints take up to {in_units(most)} "
-              "at once (--keep-last + 1): a later save will fail")
+        say_once(f"warning: {root} has {in_units(free)} free; the run's checkpoints take up to "
+                 f"{in_units(most)} at once (--keep-last + 1): a later save will fail")
 
 
 BITWISE_HEAD_DIMS = (128, 256)
@@ -756,7 +777,8 @@ def load_inputs(args, files: Files, shape: ModelShape, encode_dataset: Callable)
                          f"{len(train_rows)} questions")
     eval_rows = encoded(files.eval_rows, "eval set") if args.run.eval_every else []
     return Inputs(model_dir, shape, files.start_step, tokenizer,
-                  end_of_sequence_ids(tokenizer, files.config, model_dir), train_rows,
+                  end_of_sequence_ids(tokenizer, files.config, model_dir, args.data.prompt_format != "plain"
+                                      and tokenizer.chat_template is not None), train_rows,
                   eval_rows[: args.run.eval_samples])
 
 
@@ -998,6 +1020,8 @@ def training_state(optimizer, ref_model) -> dict:
     import torch
     adam = optimizer.optimizer.state
     named = [(name, p, master) for (name, p), master in zip(optimizer.named, optimizer.masters)]
+    # One copy of the generators (DCP keeps one of a key): every rank seeds alike, the loop draws from none
+    # (an addition that draws differently per rank would need them per rank to resume bit for bit).
     rng = {"python": torch.tensor(random.getstate()[1]), "torch": torch.get_rng_state()}
     state = {"masters": {name: shard_like(master, p) for name, p, master in named},
              "adam": {name: {key: shard_like(t, p) if t.dim() else t for key, t in adam[master].items()}

@@ -160,10 +160,12 @@ class Args:
 
 # ===== Data and reward =====
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-# A completion's answer: the first '#### N' (GSM8K's format), else the first '\boxed{N}', else its last
-# number; after a closed <think>, the one after it, else inside. Compared as decimals: '1,000' = '$1000.0'.
-ANSWER_AFTER_HASHES = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
-ANSWER_IN_BOX = re.compile(r"\\boxed\{\s*\$?\s*(-?[\d,]*\.?\d+)\s*\}")
+# A completion's answer: the first '#### N' (GSM8K's format; words or markdown may come between on its line:
+# '#### **18**'), else the first '\boxed{N ...}', else its last number; after a closed <think>, the one after
+# it, else inside. Compared as decimals: '1,000' = '$1000.0', '-$5' = '$-5' = '-5'.
+NUMBER = r"(-?\s*\\?\$?\s*-?[\d,]*\.?\d+)"
+ANSWER_AFTER_HASHES = re.compile(r"####\s*[^\d\n$\\-]*" + NUMBER)
+ANSWER_IN_BOX = re.compile(r"\\boxed\{\s*" + NUMBER + r"[^}]*\}")
 ANY_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 
 
@@ -181,7 +183,7 @@ def extract_answer(text: str) -> str | None:
 
 def parse_number(text: str | None) -> Decimal | None:
     try:
-        return None if text is None else Decimal(text.replace(",", "").rstrip("."))
+        return None if text is None else Decimal(re.sub(r"[\s,$\\]", "", text).rstrip("."))
     except InvalidOperation:
         return None
 
@@ -534,7 +536,7 @@ def model_args_from_hf_config(config: dict):
         vocab_size=config["vocab_size"], hidden_dim=config["intermediate_size"],
         norm_eps=config["rms_norm_eps"], max_seq_len=config["max_position_embeddings"],
         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        rope_theta=rope.get("rope_theta", config.get("rope_theta", 1_000_000)),
+        rope_theta=rope.get("rope_theta", config.get("rope_theta")),
         enable_weight_tying=config.get("tie_word_embeddings", False))
 
 
@@ -1095,11 +1097,12 @@ def on_mismatch(first: Mismatch, engine, model: Qwen3, rollouts: Rollouts, parit
 def warm_start(model: Qwen3, inputs, order: list[int], args: Args, world: World = World()) -> None:
     """--sft-steps of SFT on reference answers (own optimizer); TensorBoard run <run_name>/warm_start."""
     from torch.utils.tensorboard import SummaryWriter
-    # Answers as the model should write them after the prompt, then an end of sequence (<|im_end|> in chat).
+    # Answers as the model should write them after the prompt, then the end of an answer (<|im_end|> in chat),
+    # cut as a rollout is at --max-new-tokens: RoPE's table and the memory plan hold no longer sequence.
     plain = args.data.prompt_format == "plain" or inputs.tokenizer.chat_template is None
     for r in inputs.train_rows:
         answer = inputs.tokenizer.encode((" " if plain else "") + r["answer"], add_special_tokens=False)
-        r["answer_ids"] = answer + [inputs.tokenizer.eos_token_id or inputs.stop_ids[0]]
+        r["answer_ids"] = (answer + inputs.stop_ids[:1])[: args.sampling.max_new_tokens]
     optimizer = MasterWeights(model, args.warm_start.sft_lr, args.optimizer.weight_decay,
                               args.engine.offload_optimizer)
     writer = SummaryWriter(str(Path("runs") / args.run.run_name / "warm_start")) if world.is_main else None

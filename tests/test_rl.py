@@ -25,7 +25,7 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
-from conftest import (QWEN3_CHAT_TEMPLATE, full_gsm8k, gsm8k_jsonl, gsm8k_rows, make_args, write_chat_model,
+from conftest import (QWEN3_CHAT_TEMPLATE, full_gsm8k, gsm8k_jsonl, gsm8k_rows, make_args, qwen3_config, write_chat_model,
                       trace, write_gsm8k_model, write_jsonl)
 
 import plumbing
@@ -76,8 +76,14 @@ def test_chat_prompts_are_what_qwen3s_template_renders(tmp_path, thinking):
     tokens = tokenizer.convert_ids_to_tokens(ids)  # the markers are single tokens, not spelled out
     assert tokens.count("<|im_start|>") == 2 and tokens.count("<|im_end|>") == 1
     assert tokens.count("<think>") == tokens.count("</think>") == (0 if thinking else 1)
-    stop_ids = plumbing.end_of_sequence_ids(tokenizer, plumbing.read_config(model_dir), model_dir)  # <|im_end|> (tokenizer) and <|endoftext|>
-    assert set(tokenizer.convert_ids_to_tokens(stop_ids)) == {"<|im_end|>", "<|endoftext|>"}
+    config = plumbing.read_config(model_dir)
+    stop_ids = plumbing.end_of_sequence_ids(tokenizer, config, model_dir, chat=True)  # the tokenizer's, config's
+    assert tokenizer.convert_ids_to_tokens(stop_ids) == ["<|im_end|>", "<|endoftext|>"]  # an answer ends: first
+    tokenizer.eos_token = "<|endoftext|>"  # as a Qwen3-Base tokenizer's: a chat turn still ends at <|im_end|>
+    stop_ids = plumbing.end_of_sequence_ids(tokenizer, config, model_dir, chat=True)
+    assert tokenizer.convert_ids_to_tokens(stop_ids) == ["<|im_end|>", "<|endoftext|>"]
+    plain = plumbing.end_of_sequence_ids(tokenizer, config, model_dir, chat=False)
+    assert tokenizer.convert_ids_to_tokens(plain) == ["<|endoftext|>"]
 
 
 @pytest.mark.parametrize("completion, reward", [
@@ -96,12 +102,18 @@ def test_chat_prompts_are_what_qwen3s_template_renders(tmp_path, thinking):
     ("no number at all", 0.0),
     ("#### ", 0.0),
     ("\\boxed{72} but #### 71", 0.0),  # '####' before '\\boxed'
+    ("#### **72**\n\n(Check: 48 + 24 = 72, so 2 left over.)", 1.0),  # markdown after '####'
+    ("#### The answer is 72. Check: 72 / 3 = 24", 1.0),  # words after '####', on its line
+    ("#### -$72", 0.0),  # the sign kept
+    ("\\boxed{72 \\text{ clips}}. Note: 2 extra", 1.0),  # units inside the box
+    ("\\boxed{\\$72}", 1.0),
 ])  # fmt: skip
 def test_reward_on_adversarial_completions(completion, reward):
     assert simple_rl.gsm8k_reward(completion, "Natalia sold ... \n#### 72") == reward
 
 
-@pytest.mark.parametrize("a, b", [("1,000", "1000"), ("1000.0", "1000"), ("$1000", "1000"), ("1,000.00", "1e3")])
+@pytest.mark.parametrize("a, b", [("1,000", "1000"), ("1000.0", "1000"), ("$1000", "1000"), ("1,000.00", "1e3"),
+                                  ("-$5", "-5"), ("$-5", "-5"), ("- 5", "-5")])
 def test_numbers_compare_as_decimals(a, b):
     expected = simple_rl.parse_number(b) if b != "1e3" else simple_rl.parse_number("1000")
     assert simple_rl.gsm8k_reward(f"#### {a}", f"#### {b}" if b != "1e3" else "#### 1000") == 1.0
@@ -174,6 +186,58 @@ def test_learning_rate_schedule():
 def test_the_warm_start_batch_divides_by_the_processes_only_when_there_is_a_warm_start():
     args = make_args(prompts_per_step=33, assert_bitwise=False)  # --sft-batch-size 64, no --sft-steps
     assert plumbing.check_args(args, 3).sampling.prompts_per_step == 33
+
+
+def test_the_checks_notes_are_printed_by_rank_0_alone(monkeypatch, capsys):
+    for rank, printed in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        plumbing.check_args(make_args(warmup_steps=10, steps=4, assert_bitwise=False), 2)
+        assert ("note: --warmup-steps 10 is more than --steps 4" in capsys.readouterr().out) == printed, rank
+
+
+def test_a_hub_model_is_fetched_with_every_file_a_chat_checkpoint_holds(tmp_path, monkeypatch):
+    """--model <hub id> downloads the files a checkpoint of transformers holds (its chat template is a file of
+    its own, chat_template.jinja): none of the chat model's files is filtered out."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    model_dir = write_chat_model(tmp_path / "chat")
+    assert (model_dir / "chat_template.jinja").is_file()
+    asked = {}
+
+    def snapshot_download(repo_id, allow_patterns):
+        asked["files"] = set(filter_repo_objects([p.name for p in model_dir.iterdir()], allow_patterns=allow_patterns))
+        return str(model_dir)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(plumbing, "offline_unless_hub_answers", lambda: False)
+    assert plumbing.resolve_model_dir("Org/Chat") == model_dir
+    assert asked["files"] == {p.name for p in model_dir.iterdir()}
+
+
+def test_config_names_transformers_5_writes_and_a_missing_rope_theta(tmp_path):
+    """A Qwen3-MoE config saved by transformers 5 names its experts num_local_experts: read as num_experts. A
+    config without rope_theta is refused: transformers' default (10,000) is not Qwen3's (1,000,000)."""
+    moe = qwen3_config(experts=4, experts_per_token=2)
+    moe["num_local_experts"] = moe.pop("num_experts")
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    assert plumbing.read_config(tmp_path)["num_experts"] == 4
+    no_theta = {k: v for k, v in qwen3_config().items() if k != "rope_theta"}
+    (tmp_path / "config.json").write_text(json.dumps(no_theta))
+    with pytest.raises(plumbing.UsageError, match="no rope_theta; this trainer needs a Hugging Face Qwen3"):
+        plumbing.read_config(tmp_path)
+
+
+def test_a_warm_start_cuts_answers_at_max_new_tokens(tmp_path, monkeypatch):
+    """Reference answers longer than --max-new-tokens are cut there, as rollouts are: no sequence outgrows
+    --max-prompt-tokens + --max-new-tokens (here a model of 160 positions; a longer one overran RoPE's table)."""
+    model_dir = write_gsm8k_model(tmp_path / "model", max_positions=160)
+    monkeypatch.chdir(tmp_path)
+    args = small_run(model_dir, run_name="cut", steps=1, max_prompt_tokens=120, max_new_tokens=6, sft_steps=1,
+                     sft_batch_size=8, eval_every=0, save_every=-1, assert_bitwise=False)
+    simple_rl.main(args, device="cpu", engine_class=TrainerAsSampler)
+    (step, loss), = scalar_series(tmp_path / "runs" / "cut" / "warm_start")["sft/loss"]
+    assert step == 0 and math.isfinite(loss)
 
 
 def test_a_number_flag_is_not_called_a_switch():
@@ -310,6 +374,7 @@ def test_bad_flags_give_one_line_errors(tmp_path):
         (["--seed", "100000000000"], ON, "--seed must be below 9223372036"),
         (["--steps", "1000000000"], ON, "--steps must be at most 100,000,000"),
         (["--thinking", "--prompt-format", "plain"], ON, "--thinking opens a <think> block"),
+        (["--thinking", "--sft-steps", "5"], ON, "--sft-steps trains on the reference answers, which hold no <think>"),
         (["--locate-divergence"], ON, "--locate-divergence is for --no-assert-bitwise runs"),
         (["--resume", "a_file"], ON, "--resume a_file: a file, not a checkpoint directory"),
         # tyro's boxed parse errors, each made one line, with the flags the box names
@@ -1678,7 +1743,7 @@ def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeyp
 
     model_dir = write_chat_model(tmp_path / "chat")
     monkeypatch.chdir(tmp_path)
-    args = plumbing.check_args(small_run(model_dir, run_name="chat", prompt_format="chat", thinking=True, steps=1,
+    args = plumbing.check_args(small_run(model_dir, run_name="chat", prompt_format="chat", steps=1,
                                           max_new_tokens=4, max_tokens_per_microbatch=800, sft_steps=1,
                                           sft_batch_size=2, eval_every=0, assert_bitwise=False), 1)
     engines = []
@@ -1693,8 +1758,9 @@ def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeyp
     inputs = plumbing.load_inputs(args, files, simple_rl.model_shape(simple_rl.model_args_from_hf_config(files.config)),
                                   simple_rl.encode_dataset)
     order = list(range(len(inputs.train_rows)))
-    simple_rl.warm_start(simple_rl.load_qwen3(model_dir, "cpu"), inputs, order, args, simple_rl.World())
-    assert all(r["answer_ids"][-1] == im_end for r in inputs.train_rows)
+    longer = dataclasses.replace(args, sampling=dataclasses.replace(args.sampling, max_new_tokens=500))
+    simple_rl.warm_start(simple_rl.load_qwen3(model_dir, "cpu"), inputs, order, longer, simple_rl.World())
+    assert all(r["answer_ids"][-1] == im_end for r in inputs.train_rows)  # each whole within 500 tokens
 
 
 # --- the GRPO loss, and corrections for a sampler that differs from the trainer --------------------
