@@ -243,9 +243,6 @@ def check_args(args, world_size: int):
         (optimizer.steps <= 10**8, "--steps must be at most 100,000,000 (a step takes seconds)"),
         (not (data.thinking and data.prompt_format == "plain"), "--thinking opens a <think> block in Qwen3's "
          "chat template: use --prompt-format chat or auto"),
-        (not (data.thinking and args.warm_start.sft_steps and not run.resume), "--sft-steps trains on the "
-         "reference answers, which hold no <think> block: with --thinking it teaches answering without "
-         "thinking; drop one of them"),
         (not (args.parity.locate_divergence and args.parity.assert_bitwise), "--locate-divergence is for "
          "--no-assert-bitwise runs: a parity abort always locates the divergence"),
         (loss.kl_coef == 0 or (sampling.top_k == 0 and sampling.top_p == 1), "--kl-coef must be 0 with "

@@ -374,7 +374,6 @@ def test_bad_flags_give_one_line_errors(tmp_path):
         (["--seed", "100000000000"], ON, "--seed must be below 9223372036"),
         (["--steps", "1000000000"], ON, "--steps must be at most 100,000,000"),
         (["--thinking", "--prompt-format", "plain"], ON, "--thinking opens a <think> block"),
-        (["--thinking", "--sft-steps", "5"], ON, "--sft-steps trains on the reference answers, which hold no <think>"),
         (["--locate-divergence"], ON, "--locate-divergence is for --no-assert-bitwise runs"),
         (["--resume", "a_file"], ON, "--resume a_file: a file, not a checkpoint directory"),
         # tyro's boxed parse errors, each made one line, with the flags the box names
@@ -1743,7 +1742,7 @@ def test_chat_format_run_stops_at_im_end_and_warm_starts_to_it(tmp_path, monkeyp
 
     model_dir = write_chat_model(tmp_path / "chat")
     monkeypatch.chdir(tmp_path)
-    args = plumbing.check_args(small_run(model_dir, run_name="chat", prompt_format="chat", steps=1,
+    args = plumbing.check_args(small_run(model_dir, run_name="chat", prompt_format="chat", thinking=True, steps=1,
                                           max_new_tokens=4, max_tokens_per_microbatch=800, sft_steps=1,
                                           sft_batch_size=2, eval_every=0, assert_bitwise=False), 1)
     engines = []
