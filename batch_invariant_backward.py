@@ -1424,8 +1424,8 @@ def tensor_checksum(name: str, t: torch.Tensor) -> torch.Tensor:
     unequal values swapped change it (the change, below 2^48, times an odd number is not 0 modulo 2^64), as
     does a tensor's contents in another's place. Integer sums wrap in int64 and are exact in any order: an
     FSDP2 shard (a DTensor: its rows of the whole, as torch.chunk splits them) gives its part, and the
-    ranks' parts add up to the whole's. Summed a few million values at a time: the int64 copy a sum makes
-    stays small."""
+    ranks' parts add up to the whole's. On a GPU one kernel (`_checksum_kernel`); on the CPU summed a few
+    million values at a time (the int64 copy a sum makes stays small)."""
     t, first_row = t.detach(), 0
     if hasattr(t, "to_local"):
         if len(t.placements) != 1 or not t.placements[0].is_shard(0):
@@ -1433,7 +1433,12 @@ def tensor_checksum(name: str, t: torch.Tensor) -> torch.Tensor:
         mesh = t.device_mesh
         first_row, t = min(mesh.get_local_rank() * -(-len(t) // mesh.size()), len(t)), t.to_local()
     bits = (t.flatten(1) if t.dim() > 1 else t.reshape(-1, 1)).view(torch.int16)  # (rows, columns)
-    width = bits.shape[1]
+    width, multiplier = bits.shape[1], 2 * zlib.crc32(name.encode()) + 1
+    if bits.is_cuda:
+        sums = bits.new_empty(triton.cdiv(bits.numel(), CHECKSUM_BLOCK), dtype=torch.int64)
+        _checksum_kernel[(len(sums),)](bits.contiguous(), bits.numel(), first_row * width, multiplier, sums,
+                                       BLOCK=CHECKSUM_BLOCK)
+        return sums.sum()
     columns, total = torch.arange(1, width + 1, device=bits.device), bits.new_zeros((), dtype=torch.int64)
     rows_at_once = max(1, 2**24 // width)
     for start in range(0, len(bits), rows_at_once):
@@ -1441,13 +1446,27 @@ def tensor_checksum(name: str, t: torch.Tensor) -> torch.Tensor:
         rows = torch.arange(first_row + start, first_row + start + len(part), device=bits.device)
         total += width * (rows * part.sum(1, dtype=torch.int64)).sum()  # Σ b (row * width + column + 1)
         total += (columns * part.sum(0, dtype=torch.int64)).sum()
-    return total * (2 * zlib.crc32(name.encode()) + 1)
+    return total * multiplier
+
+
+CHECKSUM_BLOCK = 8192
+
+
+@triton.jit(do_not_specialize=["n", "first_index"])
+def _checksum_kernel(bits, n, first_index, multiplier, sums, BLOCK: tl.constexpr):
+    """`tensor_checksum` of a block of a weight's n int16s (`first_index`: the first's place in the whole):
+    Σ bits * (place + 1) * multiplier, in int64 (wrapping, as torch's)."""
+    block = tl.program_id(0).to(tl.int64)
+    i = block * BLOCK + tl.arange(0, BLOCK)
+    values = tl.load(bits + i, mask=i < n, other=0).to(tl.int64)
+    tl.store(sums + block, tl.sum(values * (first_index + i + 1)) * multiplier)
 
 
 def vllm_weights_checksum(served: torch.nn.Module) -> int:
     """The checksum of the weights vLLM serves (its model, through `LLM.apply_model`), by the trainer's names:
     equal to the trainer's own (`tensor_checksum` of each parameter) when it serves the same tensors."""
-    return int(sum(tensor_checksum(trainer_name(name), p) for name, p in served.named_parameters()))
+    sums = [tensor_checksum(trainer_name(name), p) for name, p in served.named_parameters()]
+    return int(torch.stack(sums).sum())
 
 
 def rope_cos_sin_cache(args, dtype: torch.dtype) -> torch.Tensor:

@@ -7,6 +7,7 @@
     python bench.py --gpus 2 --gsm8k train.jsonl            # simple_rl.py on 1 GPU against torchrun on 2
     python bench.py --write-model DIR --gsm8k train.jsonl   # a random model at --shape, to run the script
     python bench.py --fits "8b --offload-optimizer --activation-checkpointing" --gsm8k train.jsonl
+    python bench.py --fits "8b --activation-checkpointing" --gpus 2 --gsm8k train.jsonl   # on 2 GPUs
                                         # simple_rl.py on one GPU: step time, peak GPU and host memory
 
 Step benchmark. Both sides run the same GRPO step on the same random weights, the same prompts
@@ -433,9 +434,7 @@ PHASES = ("generate", "train", "push")
 
 
 def profile_train_phase(step, i: int) -> None:
-    """One more step, its train and push phases under torch.profiler: each part of the train phase (the
-    script's own functions, each in a range of its name) its wall time against the GPU time of the kernels it
-    launched, what the GPU was busy with in all, and the kernels that took the most of it."""
+    """One more step, its train and push phases under torch.profiler (`profile_lines`)."""
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
     def start() -> None:  # after generation; stopped once the GPU ran what the step launched
@@ -445,16 +444,67 @@ def profile_train_phase(step, i: int) -> None:
         for name, (owner, attribute) in step.parts.items():
             stack.enter_context(in_range(owner, attribute, name))
         times, _ = step(i, after_sample=start)
+    print("\n" + profile_lines(prof, step.parts, f"{times['train']:.2f} + {times['push']:.2f} s wall"))
+
+
+def profile_lines(prof, parts, wall: str) -> str:
+    """Each part of the train and push phases (the script's own functions, each in a range of its name, and
+    FSDP2's own ranges) its wall time against the GPU time of the kernels it launched, what the GPU was busy
+    with in all, and the kernels that took the most of it (NCCL's collectives among them)."""
     events, cpu, gpu = prof.key_averages(), torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     # a part's range shows on the CPU (its wall time) and, as an annotation, on the GPU's timeline too
-    parts = {e.key: e for e in events if e.device_type == cpu and e.key in step.parts}
+    ranges = [e for e in events if e.device_type == cpu and (e.key in parts or e.key.startswith("FSDP::"))]
     busy, table = top_kernels([e for e in events if e.device_type == gpu and not e.is_user_annotation], 25)
-    print(f"\ntrain and push phases of one step, {torch.cuda.get_device_name()}: {times['train']:.2f} + "
-          f"{times['push']:.2f} s wall, the GPU's kernels {busy:.2f} s")
-    for name, e in parts.items():  # a part's wall time includes the waits for the GPU it ends with
-        print(f"  {name:<16}{e.cpu_time_total / 1e6:>8.3f} s wall"
-              f"{e.device_time_total / 1e6:>8.3f} s of kernels")
-    print(table)
+    lines = [f"train and push phases of one step, {torch.cuda.get_device_name()}: {wall}, the GPU's kernels "
+             f"{busy:.2f} s"]
+    for e in ranges:  # a part's wall time includes the waits for the GPU it ends with
+        lines.append(f"  {e.key:<36}{e.count:>5} x{e.cpu_time_total / 1e6:>8.3f} s wall"
+                     f"{e.device_time_total / 1e6:>8.3f} s of kernels")
+    return "\n".join(lines + [table])
+
+
+SCRIPT_PARTS = {"vLLM sleeps": ("VLLMEngine", "sleep"), "reference logprobs": (None, "reference_logprobs"),
+                "micro-batches": (None, "train_on_rollouts"), "forwards": ("Qwen3", "forward"),
+                "gather the step": (None, "gather_step"), "parity": (None, "compare_bits"),
+                "optimizer step": ("MasterWeights", "step"), "vLLM wakes": ("VLLMEngine", "wake_up"),
+                "push weights": ("VLLMEngine", "push_weights"), "checksums": ("VLLMEngine", "check_weights"),
+                "empty PyTorch's cache": (torch.cuda, "empty_cache")}
+
+
+def profiled_script(step: int, argv: list[str]) -> None:
+    """simple_rl.py run by its command line `argv` (under torchrun too), its step `step`'s train and push
+    phases under torch.profiler: each rank writes runs/<run>/profile_rank<r>.txt (`profile_lines`) and
+    trace_rank<r>.json.gz (a timeline for Perfetto)."""
+    size = plumbing.torchrun_rank_and_size()[1]
+    args = plumbing.check_args(plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, argv), size)
+    files = plumbing.read_files(args, simple_rl.ANSWER_AFTER_HASHES)
+    parts = {name: (simple_rl if owner is None else getattr(simple_rl, owner) if isinstance(owner, str)
+                    else owner, attribute) for name, (owner, attribute) in SCRIPT_PARTS.items()}
+    grpo_step = simple_rl.grpo_step
+
+    def profiled_step(i: int, sample, *rest, **named):
+        if i != step:
+            return grpo_step(i, sample, *rest, **named)
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+        def sampled():  # generation is not profiled
+            rollouts = sample()
+            torch.cuda.synchronize()
+            prof.__enter__()
+            return rollouts
+        with contextlib.ExitStack() as stack:
+            for name, (owner, attribute) in parts.items():
+                stack.enter_context(in_range(owner, attribute, name))
+            rollouts, scalars = grpo_step(i, sampled, *rest, **named)
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+        rank, run = plumbing.torchrun_rank_and_size()[0], Path("runs") / args.run.run_name
+        wall = f"{scalars['time/train']:.2f} + {scalars['time/push']:.2f} s wall, rank {rank} of {size}"
+        (run / f"profile_rank{rank}.txt").write_text(profile_lines(prof, parts, wall) + "\n")
+        prof.export_chrome_trace(str(run / f"trace_rank{rank}.json.gz"))
+        return rollouts, scalars
+    simple_rl.grpo_step = profiled_step  # grpo() calls it by this name
+    simple_rl.run_as_script(args, files=files)
 
 
 @contextmanager
@@ -603,8 +653,11 @@ def script_run(gpus: int, model: Path, workdir: Path, args, flags=(), name: str 
 
     name, prompts = name or f"{gpus}_gpus", prompts or args.prompts
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(gpus)] if gpus > 1 else []
+    # --profile: one more step, profiled (`profiled_script`), out of the means
+    script = ([__file__, "--profiled-script", str(1 + args.iters), "--"] if args.profile
+              else [HERE / "simple_rl.py"])
     flags = ["--model", str(model), "--dataset", str(args.gsm8k.resolve()), "--eval-every", "0",
-             "--steps", str(1 + args.iters), "--run-name", name, "--save-every", "-1",
+             "--steps", str(1 + args.iters + args.profile), "--run-name", name, "--save-every", "-1",
              "--prompts-per-step", str(prompts), "--samples-per-prompt", str(args.samples),
              "--max-new-tokens", str(args.max_new_tokens), "--vllm-gpu-memory", str(args.vllm_gpu_memory),
              "--max-tokens-per-microbatch", str(args.max_tokens_per_microbatch), *flags]
@@ -613,17 +666,23 @@ def script_run(gpus: int, model: Path, workdir: Path, args, flags=(), name: str 
     env = os.environ | {"VLLM_BATCH_INVARIANT": "1", "CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)}
     peak = {}
     with peak_gpu_memory(peak, gpu_ids), tempfile.TemporaryFile("w+") as log:
-        child = subprocess.Popen([sys.executable, *launcher, str(HERE / "simple_rl.py"), *flags], cwd=workdir,
-                                 env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        child = subprocess.Popen([sys.executable, *launcher, *map(str, script), *flags], cwd=workdir, env=env,
+                                 stdout=log, stderr=subprocess.STDOUT, text=True)
         _, status, usage = os.wait4(child.pid, 0)  # the child's own peak resident memory (ru_maxrss, KiB)
         log.seek(0)
         output = log.read()
     print(output[-3000:])
     if os.waitstatus_to_exitcode(status):
         raise SystemExit(f"simple_rl.py {' '.join(flags)} failed")
-    events = EventAccumulator(str(workdir / "runs" / name)).Reload()
+    run = workdir / "runs" / name
+    for profiled in sorted(run.glob("profile_rank*.txt")):
+        print(f"\n{name}: {profiled.read_text()}")
+    if args.profile_dir:
+        shutil.copytree(run, args.profile_dir / name, ignore=shutil.ignore_patterns("events.*"))
+    events = EventAccumulator(str(run)).Reload()
     tags = [f"time/{p}" for p in PHASES] + ["parity/mismatched_tokens", "reward/completion_tokens_mean"]
-    series = {tag: [e.value for e in events.Scalars(tag)][1:] for tag in tags}  # the first step warms up
+    # the first step warms up, a profiled one is slower
+    series = {tag: [e.value for e in events.Scalars(tag)][1: 1 + args.iters] for tag in tags}
     out = {p: statistics.mean(series[f"time/{p}"]) for p in PHASES}
     out["step"] = sum(out[p] for p in PHASES)
     generated = statistics.mean(series["reward/completion_tokens_mean"]) * prompts * args.samples
@@ -636,12 +695,13 @@ def script_run(gpus: int, model: Path, workdir: Path, args, flags=(), name: str 
 
 
 def fits_benchmark(args) -> dict:
-    """simple_rl.py on one GPU for each of --fits' configurations ("SHAPE [FLAG ...]"): what fits where, with
-    its step time, peak GPU and host memory, and the plan it printed."""
+    """simple_rl.py on one GPU (on --gpus N: torchrun on N) for each of --fits' configurations ("SHAPE
+    [FLAG ...]"): what fits where, with its step time, the highest GPU's peak, the host's peak (its largest
+    process's) and the plan it printed."""
     if args.gsm8k is None:
         raise SystemExit("--fits needs --gsm8k: the GSM8K train jsonl "
                          "(the questions and the tokenizer's text)")
-    results = {}
+    results, gpus = {}, args.gpus or 1
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for i, config in enumerate(args.fits):
@@ -650,15 +710,16 @@ def fits_benchmark(args) -> dict:
             if not model.exists():  # written by another process: this one holds no GPU memory
                 subprocess.run([sys.executable, __file__, "--shape", shape, *layer_flags(args), "--write-model",
                                 str(model), "--gsm8k", str(args.gsm8k)], check=True)
-            results[config] = script_run(1, model, workdir, args, flags, name=f"fits_{i}")
+            results[config] = script_run(gpus, model, workdir, args, flags, name=f"fits_{i}")
             if all(c.split()[0] != shape for c in args.fits[i + 1:]):  # disk: an 8B model is 16 GB
                 shutil.rmtree(model)
-    print(f"\nsimple_rl.py on one {torch.cuda.get_device_name()}, {args.prompts} prompts x {args.samples} "
-          f"samples x {args.max_new_tokens} new tokens; means of {args.iters} steps after the first")
+    print(f"\nsimple_rl.py on {gpus} x {torch.cuda.get_device_name()}, {args.prompts} prompts x "
+          f"{args.samples} samples x {args.max_new_tokens} new tokens; means of {args.iters} steps after the "
+          "first")
     print(f"  {'configuration':<58}{'step':>8}{'train':>8}{'GPU peak':>10}{'host peak':>11}"
           "  mismatched / plan")
     for config, r in results.items():
-        print(f"  {config:<58}{r['step']:>7.2f}s{r['train']:>7.2f}s{r['peak_gib'][0]:>6.1f} GiB"
+        print(f"  {config:<58}{r['step']:>7.2f}s{r['train']:>7.2f}s{max(r['peak_gib']):>6.1f} GiB"
               f"{r['host_peak_gib']:>7.1f} GiB  {sum(r['mismatched_tokens'])} / {r['planned']}")
     return results
 
@@ -1143,8 +1204,11 @@ def parse_flags() -> argparse.Namespace:
     trainer.add_argument(
         "--profile", action="store_true",
         help="also print the top CUDA kernels: of the trainer (--trainer-only), of decoding (--decode), "
-        "or of the exact side's train phase (the step benchmark)"
+        "of the exact side's train phase (the step benchmark), or of each run's train phase, every rank's "
+        "(--gpus: one more step, profiled)"
     )
+    trainer.add_argument("--profile-dir", type=Path,
+                         help="with --gpus --profile: where each run's profiles and timelines are copied")
     kernels = parser.add_argument_group("kernel benchmarks")
     kernels.add_argument("--kernels", action="store_true",
                          help="decode-step GEMMs and training-size TFLOP/s (vLLM's tiles, tiled_linear's, "
@@ -1159,9 +1223,10 @@ def parse_flags() -> argparse.Namespace:
     kernels.add_argument("--decode-seqs", type=int, nargs="+", default=[32, 256],
                          help="with --decode: the sequences decoding together, a case each")
     parser.add_argument("--gpus", type=int,
-                        help="the scaling benchmark: simple_rl.py on 1 GPU, then on this many")
+                        help="the scaling benchmark: simple_rl.py on 1 GPU, then on this many (with --fits: "
+                        "each configuration on this many)")
     parser.add_argument("--fits", nargs="+", metavar="'SHAPE [FLAG ...]'",
-                        help="simple_rl.py on one GPU in each configuration: step time, "
+                        help="simple_rl.py on one GPU (--gpus N: on N) in each configuration: step time, "
                         "peak GPU and host memory")
     parser.add_argument("--write-model", type=Path, metavar="DIR")
     parser.add_argument("--gsm8k", type=Path,
@@ -1170,6 +1235,8 @@ def parse_flags() -> argparse.Namespace:
 
 
 def main():
+    if sys.argv[1:2] == ["--profiled-script"]:  # script_run's: bench.py --profiled-script STEP -- FLAGS
+        return profiled_script(int(sys.argv[2]), sys.argv[4:])
     args = parse_flags()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA GPU")
@@ -1184,10 +1251,10 @@ def main():
         results = kernel_benchmark(args)
     elif args.decode is not None:
         results = decode_benchmark(args)
-    elif args.gpus:
-        results = scaling_benchmark(args)
     elif args.fits:
         results = fits_benchmark(args)
+    elif args.gpus:
+        results = scaling_benchmark(args)
     elif args.trainer_only:
         results = trainer_benchmark(args)
     else:

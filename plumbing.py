@@ -973,6 +973,26 @@ def shard_model(model, world, keep_gathered: bool = False):
     return model
 
 
+def gather_step(rollouts, trainer_logprobs: list, world):
+    """Every rank's `Rollouts` and trainer logprobs in rank (= sample) order: parity sees the whole step."""
+    if world.size == 1:
+        return rollouts, trainer_logprobs
+    import torch
+
+    def gathered_list(pieces: list, dtype: torch.dtype, lengths: list[int]) -> list[torch.Tensor]:
+        flat = torch.cat([torch.as_tensor(p, dtype=dtype) for p in pieces])
+        return list(world.gather(flat).split(lengths))
+    r = rollouts
+    prompt_lens, completion_lens = (world.gather(torch.tensor([len(s) for s in seqs])).tolist()
+                                    for seqs in (r.prompts, r.completions))
+    step = dataclasses.replace(
+        r, prompts=[t.tolist() for t in gathered_list(r.prompts, torch.int64, prompt_lens)],
+        completions=[t.tolist() for t in gathered_list(r.completions, torch.int64, completion_lens)],
+        vllm_logprobs=gathered_list(r.vllm_logprobs, torch.float32, completion_lens),
+        rewards=world.gather(r.rewards), advantages=world.gather(r.advantages), sampler_experts=None)
+    return step, gathered_list(trainer_logprobs, torch.float32, completion_lens)
+
+
 def shard_like(local, param):
     """This rank's part of a tensor sharded as `param` is (an FSDP2 DTensor), as a DTensor DCP can save and
     reshard, without a copy: it loads into `local`, on the host too (FSDP2 builds its offloaded shards so)."""

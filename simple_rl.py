@@ -44,10 +44,10 @@ import tyro
 
 from plumbing import (
     FIXED, CheckpointError, Checkpoints, ModelShape, UsageError, agreed_run_name, check_args,
-    check_gpu_memory, default_is, exit_on, exit_on_full_disk, init_distributed, load_inputs, log_eval,
-    log_line, log_parity, log_step, log_to_file, open_tensorboard, parity_record, parse_command_line,
-    progress_bar, read_files, restore_training_state, shard_model, step_line, step_scalars, timed_phase,
-    torchrun_rank_and_size, weight_deltas, write_whole)
+    check_gpu_memory, default_is, exit_on, exit_on_full_disk, gather_step, init_distributed, load_inputs,
+    log_eval, log_line, log_parity, log_step, log_to_file, open_tensorboard, parity_record,
+    parse_command_line, progress_bar, read_files, restore_training_state, shard_model, step_line,
+    step_scalars, timed_phase, torchrun_rank_and_size, weight_deltas, write_whole)
 
 # ===== Flags: every flag; a field's comment is its --help =====
 @dataclass
@@ -564,13 +564,31 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # this rank's shard of a sharded tensor
 
 
+def whole_parameters(model: Qwen3):
+    """(name, weight) of each weight, whole. Sharded by FSDP2, a unit's weights (the root's: embedding, norm,
+    lm_head; then each block's) are gathered in one collective as the previous unit's are read, each copied
+    out (FSDP2 frees the gathered ones); every rank must read to the end."""
+    if not hasattr(model, "unshard"):
+        yield from model.named_parameters()
+        return
+    units = [("", model), *((f"layers.{i}.", layer) for i, layer in enumerate(model.layers))]
+    gathering = model.unshard(async_op=True)
+    for i, (prefix, unit) in enumerate(units):
+        gathering.wait()
+        if i + 1 < len(units):
+            gathering = units[i + 1][1].unshard(async_op=True)
+        yield from ((prefix + name, p.detach().clone()) for name, p in unit.named_parameters()
+                    if not (unit is model and name.startswith("layers.")))  # the root's own
+        unit.reshard()
+
+
 def hf_weights(model: Qwen3):
-    """(HF name, view) of each weight, gathered one at a time if sharded (so every rank must iterate)."""
+    """(HF name, view) of each weight, gathered a unit at a time if sharded (`whole_parameters`)."""
     from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
     a = model.args
     adapter, q, kv = Qwen3StateDictAdapter(a, None), a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    for name, p in model.named_parameters():
-        p, prefix = gathered(p.detach()), name.rsplit(".", 2)[0] + "."  # layers.<i>.attention. etc.
+    for name, p in whole_parameters(model):
+        p, prefix = p.detach(), name.rsplit(".", 2)[0] + "."  # layers.<i>.attention. etc.
         if name.endswith("attention.wqkv.weight"):
             parts = dict(zip([prefix + w + ".weight" for w in ("wq", "wk", "wv")], p.split([q, kv, kv])))
         elif name.endswith("feed_forward.w13.weight"):
@@ -935,15 +953,15 @@ def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, args: Args,
     return out
 
 
-def reduce_gradients_after(model: Qwen3, last: bool) -> None:
-    """Before a micro-batch. FSDP2's default gathers each block's weights in every micro-batch's forward and
-    backward, and reduce-scatters its gradients after it. With `keep_gathered` the weights stay gathered and
-    the gradients are summed whole in fp32 until the step's last micro-batch, which reduce-scatters them:
-    two all-gathers and one reduce-scatter a step. A forward outside a step reshards (no stale copy)."""
+def reduce_gradients_after(model: Qwen3, i: int, count: int) -> None:
+    """Before micro-batch i of `count`, and after the last (i = count). FSDP2's default gathers and
+    reduce-scatters in every micro-batch. With `keep_gathered` the weights stay gathered from the first
+    forward to the last backward, which reduce-scatters the gradients summed whole in fp32: once a step.
+    After it, FSDP2's defaults: a forward outside a step (the locator's) leaves no copy AdamW makes stale."""
     if getattr(model, "keep_gathered", False):
-        model.set_reshard_after_forward(last)
-        model.set_requires_gradient_sync(last)
-        model.set_reshard_after_backward(last)
+        model.set_reshard_after_forward(i >= count)
+        model.set_requires_gradient_sync(i >= count - 1)
+        model.set_reshard_after_backward(i >= count - 1)
 
 
 def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts, ref_logprobs, args: Args,
@@ -959,7 +977,7 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     per_token = [(rollouts.advantages[idx].repeat_interleave(torch.tensor(batch.completion_lens)).to(device),
                   torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)) for idx, batch in batches]
     for i, ((idx, batch), (advantages, sampler)) in enumerate(zip(batches, per_token)):
-        reduce_gradients_after(model, last=i == len(batches) - 1)  # several GPUs: once a step, if it fits
+        reduce_gradients_after(model, i, len(batches))  # several GPUs: once a step, if it fits
         policy = model(batch, s.temperature, s.top_k, s.top_p)
         if rollouts.sampler_experts is not None:
             routings.append(expert_set_differences(model, batch, [rollouts.sampler_experts[j] for j in idx]))
@@ -970,6 +988,7 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
         optimizer.accumulate_grads()
         sums.append(terms)
         logprobs.append(policy.logprobs.detach())
+    reduce_gradients_after(model, len(batches), len(batches))
     # One host copy per step (no sync per micro-batch). Divide on the host: CUDA divides by a scalar via its
     # reciprocal, turning a ratio sum of exactly n_tokens into a mean one ulp below 1.
     totals = world.sum(torch.stack([torch.stack(list(t.values())) for t in sums]).sum(0)).tolist()
@@ -995,11 +1014,12 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
     optimizer.zero_grads()
     batches = packed_micro_batches(prompts, answers, budget, model.device, world)
     for i, (_, batch) in enumerate(batches):
-        reduce_gradients_after(model, last=i == len(batches) - 1)
+        reduce_gradients_after(model, i, len(batches))
         loss = -model(batch).logprobs.sum() / n_tokens
         loss.backward()
         optimizer.accumulate_grads()
         total += float(loss.detach())
+    reduce_gradients_after(model, len(batches), len(batches))
     optimizer.step(args.warm_start.sft_lr, args.optimizer.max_grad_norm, world)
     return float(world.sum(torch.tensor(total, dtype=torch.float64)))
 
@@ -1050,24 +1070,6 @@ def compare_bits(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch
                f"{float(v[flat])!r} but trainer {float(t[flat])!r}; {mismatched} of {len(v)} sampled tokens "
                "differ")
     return metrics, Mismatch(message, sample, token)
-
-
-def gather_step(rollouts: Rollouts, trainer_logprobs: list, world: World = World()) -> tuple[Rollouts, list]:
-    """Every rank's samples and trainer logprobs in rank (= sample) order: parity sees the whole step."""
-    if world.size == 1:
-        return rollouts, trainer_logprobs
-
-    def gathered_list(pieces: list, dtype: torch.dtype, lengths: list[int]) -> list[torch.Tensor]:
-        flat = torch.cat([torch.as_tensor(p, dtype=dtype) for p in pieces])
-        return list(world.gather(flat).split(lengths))
-    r = rollouts
-    prompt_lens, completion_lens = (world.gather(torch.tensor([len(s) for s in seqs])).tolist()
-                                    for seqs in (r.prompts, r.completions))
-    prompts = [t.tolist() for t in gathered_list(r.prompts, torch.int64, prompt_lens)]
-    completions = [t.tolist() for t in gathered_list(r.completions, torch.int64, completion_lens)]
-    step = Rollouts(prompts, completions, gathered_list(r.vllm_logprobs, torch.float32, completion_lens),
-                    world.gather(r.rewards), world.gather(r.advantages))
-    return step, gathered_list(trainer_logprobs, torch.float32, completion_lens)
 
 
 def find_first_divergence(engine: VLLMEngine, model: Qwen3, tokens: list[int]) -> str:

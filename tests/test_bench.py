@@ -182,19 +182,52 @@ def test_thinking_lengths_are_long_tailed_and_the_same_for_both_sides():
 
 def test_fits_writes_each_shape_with_the_layers_asked_for(monkeypatch, tmp_path):
     """--fits with --layers: the model written for each configuration has those layers (its run is simple_rl.py
-    on a GPU: here, what it returned)."""
+    on a GPU: here, what it returned); with --gpus N each runs on N."""
     written = []
 
     def write(command, check):
         written.append(command)
         Path(command[command.index("--write-model") + 1]).mkdir()
     monkeypatch.setattr(bench.subprocess, "run", write)
-    monkeypatch.setattr(bench, "script_run", lambda *a, **k: {"step": 1.0, "train": 0.5, "peak_gib": [2.0],
-                                                              "host_peak_gib": 3.0, "mismatched_tokens": [0],
-                                                              "planned": "plan"})
+    gpus = []
+    monkeypatch.setattr(bench, "script_run", lambda n, *a, **k: gpus.append(n) or {
+        "step": 1.0, "train": 0.5, "peak_gib": [2.0, 2.5], "host_peak_gib": 3.0, "mismatched_tokens": [0],
+        "planned": "plan"})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "a GPU")
     args = SimpleNamespace(fits=["30b-a3b --vllm-gpu-memory 0.2", "1.7b"], layers=4, gsm8k=tmp_path / "t.jsonl",
-                           prompts=32, samples=8, max_new_tokens=512, iters=2)
+                           prompts=32, samples=8, max_new_tokens=512, iters=2, gpus=None)
     bench.fits_benchmark(args)
     assert [command[command.index("--shape") + 1: command.index("--write-model")] for command in written] == [
         ["30b-a3b", "--layers", "4"], ["1.7b", "--layers", "4"]]
+    bench.fits_benchmark(SimpleNamespace(**vars(args) | {"gpus": 2}))  # --gpus 2: each configuration on 2
+    assert gpus == [1, 1, 2, 2]
+
+
+def test_a_profiled_script_run_writes_its_steps_profile(tmp_path, monkeypatch):
+    """`bench.py --gpus N --profile` runs the script through `profiled_script`: the script's own run (here on the
+    CPU, a stand-in for vLLM), its step 1's train and push phases profiled, the parts named, steps 0 and 2 not."""
+    import simple_rl
+    from conftest import gsm8k_jsonl, write_gsm8k_model
+    from test_rl import TrainerAsSampler
+
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "CPU")
+    monkeypatch.setattr(simple_rl, "run_as_script", lambda args, files: simple_rl.main(
+        args, device="cpu", engine_class=TrainerAsSampler, files=files))
+    monkeypatch.setattr(simple_rl, "grpo_step", simple_rl.grpo_step)  # restored after the test
+    profiled = []
+    monkeypatch.setattr(bench, "profile_lines", lambda prof, parts, wall: profiled.append(wall) or
+                        bench.top_kernels([], 1)[1] + "\n" + "\n".join(
+                            e.key for e in prof.key_averages() if e.key in parts))
+    bench.profiled_script(1, ["--model", str(model_dir), "--dataset", str(gsm8k_jsonl("train")),
+                              "--eval-dataset", str(gsm8k_jsonl("test")), "--prompts-per-step", "2",
+                              "--samples-per-prompt", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "400",
+                              "--max-tokens-per-microbatch", "500", "--steps", "3", "--eval-every", "0",
+                              "--save-every", "-1", "--run-name", "prof"])
+    assert len(profiled) == 1 and profiled[0].endswith("s wall, rank 0 of 1")
+    text = (tmp_path / "runs" / "prof" / "profile_rank0.txt").read_text()
+    assert {"micro-batches", "forwards", "parity", "optimizer step", "gather the step", "checksums"} <= set(
+        text.splitlines()[1:]), text
+    assert (tmp_path / "runs" / "prof" / "trace_rank0.json.gz").stat().st_size > 0

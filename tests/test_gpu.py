@@ -519,6 +519,42 @@ def test_triton_backwards_round_once_and_reach_past_int32_offsets():
     torch.testing.assert_close(grad[last].double().cpu(), z.grad, rtol=2**-7, atol=1e-9)
 
 
+def test_the_checksum_kernel_gives_the_cpus_checksum():
+    """`tensor_checksum` on the GPU (a Triton kernel a tensor) is the CPU's, bit for bit: any bit patterns, bf16
+    and fp32, an embedding's 151,936 x 2,048 (past 2^31 weighted places), odd widths, a norm's 1-D weight, an
+    empty tensor; and FSDP2's shards of a weight on the GPU (a fake process group standing for each rank's)
+    add up to the whole's, modulo 2^64."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from batch_invariant_backward import tensor_checksum
+
+    g = torch.Generator().manual_seed(0)
+
+    def bits(*shape, dtype=torch.bfloat16):  # every int16 pattern possible, NaNs and infinities too
+        return torch.randint(-2**15, 2**15, shape, generator=g, dtype=torch.int16).view(dtype)
+    weights = {"tok_embeddings.weight": bits(151_936, 2048), "w13": bits(3, 24, 777),
+               "norm.weight": bits(2048), "fp32": bits(130, 2 * 33, dtype=torch.int16).view(torch.float32),
+               "empty": bits(0, 5)}
+    for name, w in weights.items():
+        assert int(tensor_checksum(name, w.cuda())) == int(tensor_checksum(name, w)), name
+    rows = bits(7, 5)
+    for ranks in (2, 3, 8):
+        parts = []
+        for rank in range(ranks):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+            try:
+                chunks = rows.chunk(ranks) + (rows[:0],) * (ranks - len(rows.chunk(ranks)))
+                shard = DTensor.from_local(chunks[rank].cuda(), init_device_mesh("cuda", (ranks,)), [Shard(0)],
+                                           run_check=False, shape=rows.shape, stride=rows.stride())
+                parts.append(int(tensor_checksum("w", shard)))
+            finally:
+                dist.destroy_process_group()
+        assert sum(parts) % 2**64 == int(tensor_checksum("w", rows)) % 2**64
+
+
 def test_weight_grad_adds_each_product_to_the_fp32_sum_where_it_lies():
     """`weight_grad` given a weight's fp32 sum (`MasterWeights.main_grad`, one GPU): cuBLAS adds dy^T @ x of
     each micro-batch to it in place (its out= is the sum itself), to fp32 rounding of float64 (on the CPU),
