@@ -678,7 +678,8 @@ def script_run(gpus: int, model: Path, workdir: Path, args, flags=(), name: str 
     for profiled in sorted(run.glob("profile_rank*.txt")):
         print(f"\n{name}: {profiled.read_text()}")
     if args.profile_dir:
-        shutil.copytree(run, args.profile_dir / name, ignore=shutil.ignore_patterns("events.*"))
+        shutil.copytree(run, args.profile_dir / name, ignore=shutil.ignore_patterns("events.*"),
+                        dirs_exist_ok=True)
     events = EventAccumulator(str(run)).Reload()
     tags = [f"time/{p}" for p in PHASES] + ["parity/mismatched_tokens", "reward/completion_tokens_mean"]
     # the first step warms up, a profiled one is slower
@@ -702,6 +703,8 @@ def fits_benchmark(args) -> dict:
         raise SystemExit("--fits needs --gsm8k: the GSM8K train jsonl "
                          "(the questions and the tokenizer's text)")
     results, gpus = {}, args.gpus or 1
+    if gpus > len(visible_gpus()):
+        raise SystemExit(f"--gpus {gpus}: at most the {len(visible_gpus())} GPUs visible")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for i, config in enumerate(args.fits):

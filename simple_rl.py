@@ -565,21 +565,18 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 
 def whole_parameters(model: Qwen3):
-    """(name, weight) of each weight, whole. Sharded by FSDP2, a unit's weights (the root's: embedding, norm,
-    lm_head; then each block's) are gathered in one collective as the previous unit's are read, each copied
-    out (FSDP2 frees the gathered ones); every rank must read to the end."""
+    """(name, weight) of each weight, whole. FSDP2-sharded: a unit's (the root's, then each block's) gathered
+    in one collective and copied out (FSDP2 frees them, also if the reader stops); every rank reads all."""
     if not hasattr(model, "unshard"):
         yield from model.named_parameters()
         return
-    units = [("", model), *((f"layers.{i}.", layer) for i, layer in enumerate(model.layers))]
-    gathering = model.unshard(async_op=True)
-    for i, (prefix, unit) in enumerate(units):
-        gathering.wait()
-        if i + 1 < len(units):
-            gathering = units[i + 1][1].unshard(async_op=True)
-        yield from ((prefix + name, p.detach().clone()) for name, p in unit.named_parameters()
-                    if not (unit is model and name.startswith("layers.")))  # the root's own
-        unit.reshard()
+    for prefix, unit in [("", model), *((f"layers.{i}.", layer) for i, layer in enumerate(model.layers))]:
+        unit.unshard()
+        try:
+            yield from ((prefix + name, p.detach().clone()) for name, p in unit.named_parameters()
+                        if not (unit is model and name.startswith("layers.")))  # the root's own
+        finally:
+            unit.reshard()
 
 
 def hf_weights(model: Qwen3):
@@ -617,8 +614,7 @@ def load_qwen3(model_dir: Path, device, kernels: Kernels = EXACT, dtype=torch.bf
 
 
 def model_shape(args) -> ModelShape:
-    """What plumbing's checks and memory plan count of a Qwen3 of this shape (torchtitan's Qwen3ModelArgs):
-    built on no memory."""
+    """What plumbing's checks and memory plan count of a Qwen3 of these (torchtitan's) args, on no memory."""
     with torch.device("meta"):
         model = Qwen3(args)
     return ModelShape(args, {name: tuple(p.shape) for name, p in model.named_parameters()},
@@ -700,6 +696,7 @@ class VLLMEngine:
         torch.cuda.empty_cache()  # the trainer's freed blocks go back to the driver, for vLLM to map
         self.wake_up(["weights"])
         self.push_weights(model)
+        torch.cuda.empty_cache()  # and the push's gathered weights (several GPUs)
         self.wake_up(["kv_cache"])
         self.check_weights(model, world, changed)
 
@@ -861,7 +858,7 @@ class MasterWeights:
     def step(self, lr: float, max_grad_norm: float, world: World = World()) -> tuple[float, dict]:
         """Clip the gradients by their norm over all ranks, step AdamW and round the masters into the bf16
         weights. Returns the pre-clip norm and, per parameter, the squared L2 norms of its change and of its
-        old value (this rank's part: `weights_changed` and plumbing's `weight_deltas` sum them over ranks)."""
+        old value (this rank's part; plumbing's `weight_deltas` sums them over ranks)."""
         grads = [p.main_grad for _, p in self.named]
         for _, p in self.named:
             p.main_grad = None
@@ -888,11 +885,6 @@ class MasterWeights:
             changes[name] = torch.stack([(new.float() - old.float()).pow(2).sum(), old.float().pow(2).sum()])
             old.copy_(new)
         return float(norm), changes
-
-
-def weights_changed(changes: dict, world: World = World()) -> bool:
-    """Whether `MasterWeights.step` changed a bf16 weight on any rank: then what vLLM serves must change."""
-    return float(world.sum(torch.stack([square for square, _ in changes.values()]).sum())) > 0
 
 
 @dataclass
@@ -954,14 +946,15 @@ def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, args: Args,
 
 
 def reduce_gradients_after(model: Qwen3, i: int, count: int) -> None:
-    """Before micro-batch i of `count`, and after the last (i = count). FSDP2's default gathers and
-    reduce-scatters in every micro-batch. With `keep_gathered` the weights stay gathered from the first
-    forward to the last backward, which reduce-scatters the gradients summed whole in fp32: once a step.
-    After it, FSDP2's defaults: a forward outside a step (the locator's) leaves no copy AdamW makes stale."""
+    """Before micro-batch i of `count`, and after the last (i = count). With `keep_gathered`, FSDP2 gathers
+    in the first forward and keeps the weights to the last backward, which reduce-scatters the fp32 gradient
+    sums (by default: both every micro-batch); then its defaults: a later forward keeps no stale copy."""
     if getattr(model, "keep_gathered", False):
         model.set_reshard_after_forward(i >= count)
         model.set_requires_gradient_sync(i >= count - 1)
         model.set_reshard_after_backward(i >= count - 1)
+        for unit in (*model.layers, model) if i >= count else ():  # after an error too: none left gathered
+            unit.reshard()
 
 
 def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts, ref_logprobs, args: Args,
@@ -971,24 +964,27 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     device, s, budget = model.device, args.sampling, args.engine.max_tokens_per_microbatch
     n_tokens = int(world.sum(torch.tensor(sum(len(c) for c in rollouts.completions), device=device)))
     sums, logprobs, routings = [], [], []  # per micro-batch, kept on the GPU
+    experts = rollouts.sampler_experts  # a mixture of experts' in vLLM, when not batch-invariant
     optimizer.zero_grads()
     batches = packed_micro_batches(rollouts.prompts, rollouts.completions, budget, device, world)
     # Copied to the GPU before the loop: a copy from host memory waits for the GPU to run all it was given.
     per_token = [(rollouts.advantages[idx].repeat_interleave(torch.tensor(batch.completion_lens)).to(device),
                   torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)) for idx, batch in batches]
-    for i, ((idx, batch), (advantages, sampler)) in enumerate(zip(batches, per_token)):
-        reduce_gradients_after(model, i, len(batches))  # several GPUs: once a step, if it fits
-        policy = model(batch, s.temperature, s.top_k, s.top_p)
-        if rollouts.sampler_experts is not None:
-            routings.append(expert_set_differences(model, batch, [rollouts.sampler_experts[j] for j in idx]))
-        ref = None if ref_logprobs is None else torch.cat([ref_logprobs[i] for i in idx])
-        loss, terms = grpo_loss(policy, sampler, advantages, lengths=batch.completion_lens, ref_logprobs=ref,
-                                n_tokens=n_tokens, cfg=args.loss)
-        loss.backward()
-        optimizer.accumulate_grads()
-        sums.append(terms)
-        logprobs.append(policy.logprobs.detach())
-    reduce_gradients_after(model, len(batches), len(batches))
+    try:
+        for i, ((idx, batch), (advantages, sampler)) in enumerate(zip(batches, per_token)):
+            reduce_gradients_after(model, i, len(batches))  # several GPUs: once a step, if it fits
+            policy = model(batch, s.temperature, s.top_k, s.top_p)
+            if experts is not None:
+                routings.append(expert_set_differences(model, batch, [experts[j] for j in idx]))
+            ref = None if ref_logprobs is None else torch.cat([ref_logprobs[i] for i in idx])
+            loss, terms = grpo_loss(policy, sampler, advantages, lengths=batch.completion_lens,
+                                    ref_logprobs=ref, n_tokens=n_tokens, cfg=args.loss)
+            loss.backward()
+            optimizer.accumulate_grads()
+            sums.append(terms)
+            logprobs.append(policy.logprobs.detach())
+    finally:  # also on an error: no gathered copy outlives the step
+        reduce_gradients_after(model, len(batches), len(batches))
     # One host copy per step (no sync per micro-batch). Divide on the host: CUDA divides by a scalar via its
     # reciprocal, turning a ratio sum of exactly n_tokens into a mean one ulp below 1.
     totals = world.sum(torch.stack([torch.stack(list(t.values())) for t in sums]).sum(0)).tolist()
@@ -1013,13 +1009,15 @@ def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Arg
     total, budget = 0.0, args.engine.max_tokens_per_microbatch
     optimizer.zero_grads()
     batches = packed_micro_batches(prompts, answers, budget, model.device, world)
-    for i, (_, batch) in enumerate(batches):
-        reduce_gradients_after(model, i, len(batches))
-        loss = -model(batch).logprobs.sum() / n_tokens
-        loss.backward()
-        optimizer.accumulate_grads()
-        total += float(loss.detach())
-    reduce_gradients_after(model, len(batches), len(batches))
+    try:
+        for i, (_, batch) in enumerate(batches):
+            reduce_gradients_after(model, i, len(batches))
+            loss = -model(batch).logprobs.sum() / n_tokens
+            loss.backward()
+            optimizer.accumulate_grads()
+            total += float(loss.detach())
+    finally:
+        reduce_gradients_after(model, len(batches), len(batches))
     optimizer.step(args.warm_start.sft_lr, args.optimizer.max_grad_norm, world)
     return float(world.sum(torch.tensor(total, dtype=torch.float64)))
 
@@ -1138,9 +1136,9 @@ def grpo_step(step: int, sample, engine, model: Qwen3, optimizer: MasterWeights,
         if first and (args.parity.assert_bitwise or args.parity.locate_divergence):
             on_mismatch(first, engine, model, rollouts, parity, step, args, writer, world)
         grad_norm, changes = optimizer.step(lr := lr_at(step, o), o.max_grad_norm, world)
+    deltas = weight_deltas(changes, world)  # per layer, over the ranks: a change must change what vLLM serves
     with timed_phase("push", times, memory):
-        engine.sync_weights(model, world, changed=weights_changed(changes, world))
-    deltas = weight_deltas(changes, world)
+        engine.sync_weights(model, world, changed=any(change > 0 for change, _ in deltas.values()))
     scalars = step_scalars(rollouts, metrics, parity, grad_norm, lr, deltas, times, memory)
     log_step(writer, step, scalars, step_line(step, scalars, times, memory), world)
     return rollouts, scalars

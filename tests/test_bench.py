@@ -194,6 +194,7 @@ def test_fits_writes_each_shape_with_the_layers_asked_for(monkeypatch, tmp_path)
         "step": 1.0, "train": 0.5, "peak_gib": [2.0, 2.5], "host_peak_gib": 3.0, "mismatched_tokens": [0],
         "planned": "plan"})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "a GPU")
+    monkeypatch.setattr(bench, "visible_gpus", lambda: ["0", "1"])
     args = SimpleNamespace(fits=["30b-a3b --vllm-gpu-memory 0.2", "1.7b"], layers=4, gsm8k=tmp_path / "t.jsonl",
                            prompts=32, samples=8, max_new_tokens=512, iters=2, gpus=None)
     bench.fits_benchmark(args)
@@ -201,6 +202,8 @@ def test_fits_writes_each_shape_with_the_layers_asked_for(monkeypatch, tmp_path)
         ["30b-a3b", "--layers", "4"], ["1.7b", "--layers", "4"]]
     bench.fits_benchmark(SimpleNamespace(**vars(args) | {"gpus": 2}))  # --gpus 2: each configuration on 2
     assert gpus == [1, 1, 2, 2]
+    with pytest.raises(SystemExit, match="--gpus 3: at most the 2 GPUs visible"):
+        bench.fits_benchmark(SimpleNamespace(**vars(args) | {"gpus": 3}))
 
 
 def test_a_profiled_script_run_writes_its_steps_profile(tmp_path, monkeypatch):

@@ -102,6 +102,43 @@ def run_name_worker(rank: int, world: int, port: int, out) -> None:
     dist.destroy_process_group()
 
 
+def interrupted_worker(rank: int, world: int, port: int, model_dir, out) -> None:
+    """A step whose micro-batch loop fails, and a push whose reader stops at the first block, each caught."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    place = simple_rl.World(*plumbing.init_distributed("cpu"))
+    model = simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32)
+    rollouts = step_rollouts(model)
+    share = place.share(len(rollouts.prompts))
+    rollouts = dataclasses.replace(rollouts, **{f.name: getattr(rollouts, f.name)[share]
+                                                for f in dataclasses.fields(rollouts) if f.name != "sampler_experts"})
+    plumbing.shard_model(model, place, keep_gathered=True)
+    optimizer = simple_rl.MasterWeights(model, lr=1e-3, weight_decay=0.0)
+
+    def fails():
+        raise RuntimeError("in the loop")
+    optimizer.accumulate_grads = fails
+    sharded = {}
+    with pytest.raises(RuntimeError, match="in the loop"):
+        simple_rl.train_on_rollouts(model, optimizer, rollouts, None, make_args(max_tokens_per_microbatch=40), place)
+    sharded["after a failed step"] = all(hasattr(p, "to_local") for p in model.parameters())
+    for name, _ in simple_rl.hf_weights(model):
+        if name.startswith("model.layers.0."):
+            break
+    sharded["after a stopped push"] = all(hasattr(p, "to_local") for p in model.parameters())
+    if rank == 0:
+        torch.save(sharded, out)
+    dist.destroy_process_group()
+
+
+def test_an_error_mid_step_or_mid_push_leaves_every_weight_sharded(tmp_path):
+    """Kept gathered for a step, the weights are resharded even if the micro-batch loop fails, and a push's
+    reader that stops leaves no unit gathered: caught, no gathered copy outlives AdamW's update of the shards."""
+    model_dir = write_checkpoint(tmp_path / "model", qwen3_config(layers=2), seed=1)
+    mp.spawn(interrupted_worker, args=(2, free_port(), model_dir, tmp_path / "out.pt"), nprocs=2)
+    assert torch.load(tmp_path / "out.pt") == {"after a failed step": True, "after a stopped push": True}
+
+
 def test_every_rank_takes_rank_0s_run_name(tmp_path):
     """Each rank names a run by its own clock (`check_args`); two clocks can read different seconds, and a
     rank's logs and checkpoint shards would go to another folder: every rank takes rank 0's name."""
