@@ -161,3 +161,25 @@ def write_chat_model(directory: Path, device="cpu", **config) -> Path:
     config = qwen3_config(vocab=vocab, eos_token_id=hf_tok.convert_tokens_to_ids("<|endoftext|>"),
                           **{"head_dim": 128} | config)
     return write_checkpoint(directory, config, device=device)
+
+
+def checksums_of_shards(rows, ranks: int, device: str) -> list[int]:
+    """`tensor_checksum` of each of `ranks` FSDP2 shards of `rows` (its rows split as torch.chunk splits them,
+    some ranks empty) on `device`, a fake process group standing for each rank's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from batch_invariant_backward import tensor_checksum
+    parts = []
+    for rank in range(ranks):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+        try:
+            chunks = rows.chunk(ranks) + (rows[:0],) * (ranks - len(rows.chunk(ranks)))
+            shard = DTensor.from_local(chunks[rank].to(device), init_device_mesh(device, (ranks,)), [Shard(0)],
+                                       run_check=False, shape=rows.shape, stride=rows.stride())
+            parts.append(int(tensor_checksum("w", shard)))
+        finally:
+            dist.destroy_process_group()
+    return parts

@@ -524,10 +524,7 @@ def test_the_checksum_kernel_gives_the_cpus_checksum():
     and fp32, an embedding's 151,936 x 2,048 (past 2^31 weighted places), odd widths, a norm's 1-D weight, an
     empty tensor; and FSDP2's shards of a weight on the GPU (a fake process group standing for each rank's)
     add up to the whole's, modulo 2^64."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from conftest import checksums_of_shards
 
     from batch_invariant_backward import tensor_checksum
 
@@ -542,17 +539,7 @@ def test_the_checksum_kernel_gives_the_cpus_checksum():
         assert int(tensor_checksum(name, w.cuda())) == int(tensor_checksum(name, w)), name
     rows = bits(7, 5)
     for ranks in (2, 3, 8):
-        parts = []
-        for rank in range(ranks):
-            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
-            try:
-                chunks = rows.chunk(ranks) + (rows[:0],) * (ranks - len(rows.chunk(ranks)))
-                shard = DTensor.from_local(chunks[rank].cuda(), init_device_mesh("cuda", (ranks,)), [Shard(0)],
-                                           run_check=False, shape=rows.shape, stride=rows.stride())
-                parts.append(int(tensor_checksum("w", shard)))
-            finally:
-                dist.destroy_process_group()
-        assert sum(parts) % 2**64 == int(tensor_checksum("w", rows)) % 2**64
+        assert sum(checksums_of_shards(rows, ranks, "cuda")) % 2**64 == int(tensor_checksum("w", rows)) % 2**64
 
 
 def test_weight_grad_adds_each_product_to_the_fp32_sum_where_it_lies():

@@ -23,7 +23,6 @@ from types import SimpleNamespace
 import pytest
 import safetensors.torch
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from conftest import (QWEN3_CHAT_TEMPLATE, full_gsm8k, gsm8k_jsonl, gsm8k_rows, make_args, qwen3_config, write_chat_model,
                       trace, write_gsm8k_model, write_jsonl)
@@ -1173,9 +1172,7 @@ def test_the_checksum_of_a_tensor_sees_any_swap_and_adds_up_over_shards():
     anti-diagonal swapped, or any two unequal values swapped change it. FSDP2's shards of a tensor (its rows
     split as torch.chunk splits them; some ranks empty) give parts that add up to the whole's, modulo 2^64
     as the ranks' int64 sum wraps (one process standing for each rank of a fake process group)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from conftest import checksums_of_shards
 
     from batch_invariant_backward import tensor_checksum
 
@@ -1190,17 +1187,7 @@ def test_the_checksum_of_a_tensor_sees_any_swap_and_adds_up_over_shards():
     assert int(tensor_checksum("v", square)) != whole
     rows = torch.randn(7, 5, generator=g).bfloat16()
     for ranks in (2, 3, 8):
-        parts = []
-        for rank in range(ranks):
-            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
-            try:
-                chunks = rows.chunk(ranks) + (rows[:0],) * (ranks - len(rows.chunk(ranks)))
-                shard = DTensor.from_local(chunks[rank], init_device_mesh("cpu", (ranks,)), [Shard(0)],
-                                           run_check=False, shape=rows.shape, stride=rows.stride())
-                parts.append(int(tensor_checksum("w", shard)))
-            finally:
-                dist.destroy_process_group()
-        assert sum(parts) % 2**64 == int(tensor_checksum("w", rows)) % 2**64
+        assert sum(checksums_of_shards(rows, ranks, "cpu")) % 2**64 == int(tensor_checksum("w", rows)) % 2**64
 
 
 def test_a_parity_abort_names_the_first_mismatch_before_any_update(tmp_path, monkeypatch):
