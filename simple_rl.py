@@ -942,6 +942,8 @@ def reference_logprobs(ref_model: Qwen3, rollouts: Rollouts, args: Args,
     for _, batch in packed_micro_batches(rollouts.prompts, rollouts.completions,
                                          args.engine.max_tokens_per_microbatch, ref_model.device, world):
         out += ref_model(batch, args.sampling.temperature).logprobs.split(batch.completion_lens)
+    if hasattr(ref_model, "reshard"):  # FSDP2 keeps the root gathered for a backward; none follows
+        ref_model.reshard()
     return out
 
 

@@ -126,6 +126,9 @@ def interrupted_worker(rank: int, world: int, port: int, model_dir, out) -> None
         if name.startswith("model.layers.0."):
             break
     sharded["after a stopped push"] = all(hasattr(p, "to_local") for p in model.parameters())
+    ref_model = plumbing.shard_model(simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32), place)
+    simple_rl.reference_logprobs(ref_model, rollouts, make_args(max_tokens_per_microbatch=40), place)
+    sharded["after the reference's logprobs"] = all(hasattr(p, "to_local") for p in ref_model.parameters())
     if rank == 0:
         torch.save(sharded, out)
     dist.destroy_process_group()
@@ -133,10 +136,12 @@ def interrupted_worker(rank: int, world: int, port: int, model_dir, out) -> None
 
 def test_an_error_mid_step_or_mid_push_leaves_every_weight_sharded(tmp_path):
     """Kept gathered for a step, the weights are resharded even if the micro-batch loop fails, and a push's
-    reader that stops leaves no unit gathered: caught, no gathered copy outlives AdamW's update of the shards."""
+    reader that stops leaves no unit gathered: caught, no gathered copy outlives AdamW's update of the shards.
+    The reference policy's forwards (no backward) leave its root sharded too: its memory is planned so."""
     model_dir = write_checkpoint(tmp_path / "model", qwen3_config(layers=2), seed=1)
     mp.spawn(interrupted_worker, args=(2, free_port(), model_dir, tmp_path / "out.pt"), nprocs=2)
-    assert torch.load(tmp_path / "out.pt") == {"after a failed step": True, "after a stopped push": True}
+    assert torch.load(tmp_path / "out.pt") == {"after a failed step": True, "after a stopped push": True,
+                                               "after the reference's logprobs": True}
 
 
 def test_every_rank_takes_rank_0s_run_name(tmp_path):
