@@ -7,8 +7,8 @@
     python bench.py --gpus 2 --gsm8k train.jsonl            # simple_rl.py on 1 GPU against torchrun on 2
     python bench.py --write-model DIR --gsm8k train.jsonl   # a random model at --shape, to run the script
     python bench.py --fits "8b --offload-optimizer --activation-checkpointing" --gsm8k train.jsonl
-    python bench.py --fits "8b --activation-checkpointing" --gpus 2 --gsm8k train.jsonl   # on 2 GPUs
                                         # simple_rl.py on one GPU: step time, peak GPU and host memory
+    python bench.py --fits "8b --activation-checkpointing" --gpus 2 --gsm8k train.jsonl   # on 2 GPUs
 
 Step benchmark. Both sides run the same GRPO step on the same random weights, the same prompts
 (--prompts random token prompts of 80-200 tokens, --samples each) and the same lengths (every
@@ -702,9 +702,9 @@ def fits_benchmark(args) -> dict:
     if args.gsm8k is None:
         raise SystemExit("--fits needs --gsm8k: the GSM8K train jsonl "
                          "(the questions and the tokenizer's text)")
-    results, gpus = {}, args.gpus or 1
-    if gpus > len(visible_gpus()):
-        raise SystemExit(f"--gpus {gpus}: at most the {len(visible_gpus())} GPUs visible")
+    results, gpus, visible = {}, args.gpus or 1, len(visible_gpus())
+    if gpus > visible:
+        raise SystemExit(f"--gpus {gpus}: at most the {visible} GPUs visible")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for i, config in enumerate(args.fits):

@@ -966,7 +966,7 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     device, s, budget = model.device, args.sampling, args.engine.max_tokens_per_microbatch
     n_tokens = int(world.sum(torch.tensor(sum(len(c) for c in rollouts.completions), device=device)))
     sums, logprobs, routings = [], [], []  # per micro-batch, kept on the GPU
-    experts = rollouts.sampler_experts  # a mixture of experts' in vLLM, when not batch-invariant
+    experts = rollouts.sampler_experts  # a mixture of experts' choices in vLLM, when not batch-invariant
     optimizer.zero_grads()
     batches = packed_micro_batches(rollouts.prompts, rollouts.completions, budget, device, world)
     # Copied to the GPU before the loop: a copy from host memory waits for the GPU to run all it was given.
