@@ -829,6 +829,7 @@ class MasterWeights:
         for master in self.masters:  # AdamW's state, made now as its first (fused) step would make it
             self.optimizer.state[master] = {"step": master.new_zeros(()), "exp_avg": torch.zeros_like(master),
                                             "exp_avg_sq": torch.zeros_like(master)}
+        self.ends = list(itertools.accumulate(-(-local_part(p).numel() // 128) * 128 for _, p in self.named))
         for _, p in self.named:
             if not hasattr(p, "main_grad"):  # once per parameter, whichever optimizer comes first
                 p.main_grad = None
@@ -844,10 +845,11 @@ class MasterWeights:
             p.grad = None
 
     def zero_grads(self) -> None:
-        """Before a step's first micro-batch: its fp32 sums, made at once, so that they lie together in memory
-        and not in the holes the micro-batches' activations leave."""
-        for _, p in self.named:
-            p.main_grad = torch.zeros_like(local_part(p), dtype=torch.float32)
+        """Before a step's first micro-batch: its fp32 sums, views of one allocation at 512-byte starts as
+        cudaMalloc's (one a parameter cost ~0.1 s a step), together, not in the holes activations leave."""
+        sums = torch.zeros(self.ends[-1], dtype=torch.float32, device=self.named[0][1].device)
+        for (_, p), start in zip(self.named, [0, *self.ends]):
+            p.main_grad = sums[start:start + local_part(p).numel()].view(local_part(p).shape)
 
     def accumulate_grads(self) -> None:
         """After a micro-batch's backward: the gradients FSDP2 reduce-scattered into the sums."""
@@ -866,10 +868,8 @@ class MasterWeights:
         if world.size > 1:  # each rank's norm is of its shards
             norm = world.sum(norm.pow(2)).sqrt()
         scale = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)  # as clip_grads_with_norm_ computes it
-        for grad in grads:
-            grad.mul_(scale)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        torch._foreach_mul_(grads, scale)
+        self.optimizer.param_groups[0]["lr"] = lr  # one group
         if self.offload:
             masters = adamw_on_host(self.optimizer, self.masters, grads)
         else:
