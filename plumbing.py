@@ -1243,11 +1243,16 @@ def restore_training_state(checkpoint_dir: Path, optimizer, ref_model, args, wor
 
 # ===== Logging: the terminal and TensorBoard =====
 @contextmanager
-def timed_phase(name: str, times: dict, memory: dict):
-    """Seconds, and the whole GPU's memory in use at the end: the peak, as PyTorch keeps what it reserved."""
+def timed_phase(name: str, times: dict, memory: dict, world=None):
+    """Seconds, and the whole GPU's memory in use at the end: the peak, as PyTorch keeps what it reserved.
+    Given the `world`, the phase ends on every rank when the slowest rank ends it: a rank that generated its
+    share first would otherwise count its wait for the others (in the next phase's first collective) as its
+    training."""
     import torch
     start = time.perf_counter()
     yield
+    if world is not None:
+        world.barrier()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()

@@ -1126,9 +1126,9 @@ def grpo_step(step: int, sample, engine, model: Qwen3, optimizer: MasterWeights,
     sleeps while the trainer trains on them (every sampled token's logprob checked bit for bit against
     vLLM's), and wakes with the new weights. Logs the step; returns every rank's rollouts and its scalars."""
     times, memory, o = {}, {}, args.optimizer
-    with timed_phase("generate", times, memory):
+    with timed_phase("generate", times, memory, world):
         rollouts = sample()
-    with timed_phase("train", times, memory):
+    with timed_phase("train", times, memory, world):
         engine.sleep()
         ref_logprobs = None if ref_model is None else reference_logprobs(ref_model, rollouts, args, world)
         metrics, logprobs = train_on_rollouts(model, optimizer, rollouts, ref_logprobs, args, world)
@@ -1139,7 +1139,7 @@ def grpo_step(step: int, sample, engine, model: Qwen3, optimizer: MasterWeights,
             on_mismatch(first, engine, model, rollouts, parity, step, args, writer, world)
         grad_norm, changes = optimizer.step(lr := lr_at(step, o), o.max_grad_norm, world)
     deltas = weight_deltas(changes, world)  # per layer, over the ranks: a change must change what vLLM serves
-    with timed_phase("push", times, memory):
+    with timed_phase("push", times, memory, world):
         engine.sync_weights(model, world, changed=any(change > 0 for change, _ in deltas.values()))
     scalars = step_scalars(rollouts, metrics, parity, grad_norm, lr, deltas, times, memory)
     log_step(writer, step, scalars, step_line(step, scalars, times, memory), world)

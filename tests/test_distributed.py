@@ -7,6 +7,7 @@ import functools
 import os
 import shutil
 import socket
+import time
 from contextlib import ExitStack
 from unittest.mock import patch
 
@@ -132,6 +133,29 @@ def interrupted_worker(rank: int, world: int, port: int, model_dir, out) -> None
     if rank == 0:
         torch.save(sharded, out)
     dist.destroy_process_group()
+
+
+def phases_worker(rank: int, world: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    place = simple_rl.World(*plumbing.init_distributed("cpu"))
+    times = {}
+    place.barrier()  # both clocks start together (gloo's init does not line the ranks up)
+    with plumbing.timed_phase("generate", times, {}, place):
+        time.sleep(1.0 * rank)  # rank 1's share takes a second longer to generate
+    with plumbing.timed_phase("train", times, {}, place):
+        place.sum(torch.ones(1))  # the train phase's first collective
+    if rank == 0:
+        torch.save(times, out)
+    dist.destroy_process_group()
+
+
+def test_a_phase_ends_on_every_rank_when_the_slowest_rank_ends_it(tmp_path):
+    """Rank 0 generates its share a second before rank 1: the second is its generate phase's, not its train
+    phase's (whose first collective it would otherwise wait in)."""
+    mp.spawn(phases_worker, args=(2, free_port(), tmp_path / "times.pt"), nprocs=2)
+    times = torch.load(tmp_path / "times.pt")
+    assert times["generate"] >= 1.0 and times["train"] < 0.5
 
 
 def test_an_error_mid_step_or_mid_push_leaves_every_weight_sharded(tmp_path):
