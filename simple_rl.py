@@ -789,10 +789,10 @@ def to_host(t: torch.Tensor, wait: bool = True) -> torch.Tensor:
 
 
 def to_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A host tensor onto `like`'s GPU, through pinned memory (queued: a pageable copy would block)."""
+    """Onto `like`'s GPU in its dtype: rounded into pinned memory (one pass), queued (pageable blocks)."""
     if t.device == like.device:
-        return t
-    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+        return t.to(like.dtype)
+    staged = torch.empty(t.shape, dtype=like.dtype, pin_memory=True).copy_(t)
     return staged.to(like.device, non_blocking=True)
 
 
@@ -881,7 +881,7 @@ class MasterWeights:
         del grads
         changes = {}
         for (name, p), master in zip(self.named, masters):
-            new, old = to_device(master.to(p.dtype), p), local_part(p)
+            new, old = to_device(master, p), local_part(p)
             changes[name] = torch.stack([(new.float() - old.float()).pow(2).sum(), old.float().pow(2).sum()])
             old.copy_(new)
         return float(norm), changes
