@@ -78,9 +78,14 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> 
             "grads": grads, "checksum": checksum, "trace": locator, "calls": calls, "micro_batches": micro_batches}
 
 
-def worker(rank: int, world: int, port: int, model_dir, out, keep_gathered: bool) -> None:
+def torchrun_env(rank: int, world: int, port: int) -> None:
+    """The environment torchrun gives rank `rank` of `world` processes on this host."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
+
+
+def worker(rank: int, world: int, port: int, model_dir, out, keep_gathered: bool) -> None:
+    torchrun_env(rank, world, port)
     assert plumbing.init_distributed("cpu") == (rank, world)
     result = one_update(model_dir, rank, world, keep_gathered)
     if rank == 0:
@@ -95,8 +100,7 @@ def free_port() -> int:
 
 
 def run_name_worker(rank: int, world: int, port: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    torchrun_env(rank, world, port)
     place = simple_rl.World(*plumbing.init_distributed("cpu"))
     args = plumbing.agreed_run_name(make_args(run_name=f"grpo_clock_of_rank_{rank}"), place)
     (out / f"rank{rank}").write_text(args.run.run_name)
@@ -105,8 +109,7 @@ def run_name_worker(rank: int, world: int, port: int, out) -> None:
 
 def interrupted_worker(rank: int, world: int, port: int, model_dir, out) -> None:
     """A step whose micro-batch loop fails, and a push whose reader stops at the first block, each caught."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    torchrun_env(rank, world, port)
     place = simple_rl.World(*plumbing.init_distributed("cpu"))
     model = simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32)
     rollouts = step_rollouts(model)
@@ -136,8 +139,7 @@ def interrupted_worker(rank: int, world: int, port: int, model_dir, out) -> None
 
 
 def phases_worker(rank: int, world: int, port: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    torchrun_env(rank, world, port)
     place = simple_rl.World(*plumbing.init_distributed("cpu"))
     times = {}
     place.barrier()  # both clocks start together (gloo's init does not line the ranks up)
@@ -229,8 +231,7 @@ def main_worker(rank: int, world: int, port: int, workdir, flags: dict, dies: bo
     """simple_rl.main() as rank `rank` of `world` torchrun processes (with the test engine)."""
     from test_rl import DiesInStep3, Killed, TrainerAsSampler
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    torchrun_env(rank, world, port)
     os.chdir(workdir)
     try:
         simple_rl.main(make_args(**flags), device="cpu", engine_class=DiesInStep3 if dies else TrainerAsSampler)
@@ -296,8 +297,7 @@ def restore_worker(rank: int, world: int, port: int, checkpoint, model_dir, out)
     from test_rl import flat_tensors
 
     if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                          WORLD_SIZE=str(world))
+        torchrun_env(rank, world, port)
     place = simple_rl.World(*plumbing.init_distributed("cpu"))
     model = simple_rl.load_qwen3(checkpoint, "cpu")
     if world > 1:
@@ -353,8 +353,7 @@ def test_a_killed_run_resumes_on_any_number_of_processes(tmp_path, saved_on, res
 
 def peak_rss_worker(rank: int, world: int, port: int, model_dir, out) -> None:
     """Save a checkpoint from `world` processes; write what this rank's resident memory grew by while saving."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    torchrun_env(rank, world, port)
     place = simple_rl.World(*plumbing.init_distributed("cpu"))
     model = plumbing.shard_model(simple_rl.load_qwen3(model_dir, "cpu"), place)
     optimizer = simple_rl.MasterWeights(model, 1e-3, 0.0)
