@@ -932,6 +932,10 @@ def init_distributed(device: str) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
     size = torchrun_rank_and_size()[1]
+    if size > 1 and os.environ.get("OMP_NUM_THREADS") == "1":  # torchrun's default for several ranks: the
+        # host's AdamW (--offload-optimizer) would run on one thread (8B, 2 H200s: train 16.9 s; 9.0 s on 16)
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks_here))
     if size > 1 and not dist.is_initialized():
         if device == "cuda":
             gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
