@@ -926,16 +926,18 @@ def check_gpu_memory(shape: ModelShape, args, world) -> bool:
 
 
 # ===== Several GPUs (torchrun): data parallel, an FSDP2-sharded trainer =====
-def init_distributed(device: str) -> tuple[int, int]:
+def init_distributed(device: str, host_adamw: bool = False) -> tuple[int, int]:
     """Under torchrun (WORLD_SIZE > 1) join the process group (NCCL, or gloo on CPU) on this rank's GPU.
-    Returns (rank, size): (0, 1) alone."""
+    With `host_adamw` (--offload-optimizer) a rank that torchrun left one thread (OMP_NUM_THREADS=1, its
+    default for several ranks) takes its share of the host's cores: AdamW on one thread made the 8B's train
+    phase on 2 H200s 16.9 s, 9.0 s on 16. Only then: the CPU's matmuls (a CPU-run trainer's) sum otherwise on
+    another thread count; AdamW's elementwise update does not. Returns (rank, size): (0, 1) alone."""
     import torch
     import torch.distributed as dist
     size = torchrun_rank_and_size()[1]
-    if size > 1 and os.environ.get("OMP_NUM_THREADS") == "1":  # torchrun's default for several ranks: the
-        # host's AdamW (--offload-optimizer) would run on one thread (8B, 2 H200s: train 16.9 s; 9.0 s on 16)
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks_here))
+    if host_adamw and size > 1 and os.environ.get("OMP_NUM_THREADS") == "1":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", size))))
     if size > 1 and not dist.is_initialized():
         if device == "cuda":
             gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

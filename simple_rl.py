@@ -1189,7 +1189,7 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
     inputs = load_inputs(args, files, model_shape(model_args_from_hf_config(files.config)), encode_dataset)
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("no CUDA GPU found: simple_rl.py runs vLLM and the trainer on a GPU")
-    world = World(*init_distributed(device))
+    world = World(*init_distributed(device, args.engine.offload_optimizer))
     args = agreed_run_name(args, world)  # runs/<name> and the checkpoints: one folder for every rank
     # Before vLLM starts: a model that cannot fit is refused, not run out of memory (the CPU is not planned).
     keep_gathered = check_gpu_memory(inputs.shape, args, world) if device == "cuda" else True

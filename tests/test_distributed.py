@@ -4,6 +4,7 @@ and gather the same Hugging Face weights and checksum; a run killed on four resu
 
 import dataclasses
 import functools
+import json
 import os
 import shutil
 import socket
@@ -110,17 +111,23 @@ def run_name_worker(rank: int, world: int, port: int, out) -> None:
 def threads_worker(rank: int, world: int, port: int, out) -> None:
     torchrun_env(rank, world, port)
     os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's, unless set (the other workers keep the test's threads)
+    threads = [torch.get_num_threads()]
     with patch.object(os, "sched_getaffinity", return_value=set(range(12))):  # a host of 12 cores
-        plumbing.init_distributed("cpu")
-    (out / f"rank{rank}").write_text(str(torch.get_num_threads()))
+        for host_adamw in (False, True):  # the second call finds the process group made
+            plumbing.init_distributed("cpu", host_adamw)
+            threads.append(torch.get_num_threads())
+    (out / f"rank{rank}").write_text(json.dumps(threads))
     dist.destroy_process_group()
 
 
-def test_each_rank_takes_its_share_of_the_host_cores(tmp_path):
+def test_with_the_optimizer_on_the_host_each_rank_takes_its_share_of_the_cores(tmp_path):
     """torchrun sets OMP_NUM_THREADS=1 for several ranks: the host's AdamW (--offload-optimizer) ran on one
-    thread a rank (8B on 2 H200s: 16.9 s a train phase, 9.0 s on 16 threads). Each rank takes its share."""
+    thread a rank (8B on 2 H200s: 16.9 s a train phase, 9.0 s on 16 threads). With it each rank takes its
+    share; without it the count stays (a CPU-run trainer's matmuls sum otherwise on other counts)."""
     mp.spawn(threads_worker, args=(2, free_port(), tmp_path), nprocs=2)
-    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["6", "6"]
+    for r in range(2):
+        before, without, with_host_adamw = json.loads((tmp_path / f"rank{r}").read_text())
+        assert without == before and with_host_adamw == 6
 
 
 def interrupted_worker(rank: int, world: int, port: int, model_dir, out) -> None:
