@@ -46,7 +46,7 @@ from plumbing import (
     FIXED, CheckpointError, Checkpoints, ModelShape, UsageError, agreed_run_name, check_args,
     check_gpu_memory, default_is, exit_on, exit_on_full_disk, gather_step, init_distributed, load_inputs,
     log_eval, log_line, log_parity, log_step, log_to_file, open_tensorboard, parity_record,
-    parse_command_line, progress_bar, read_files, restore_training_state, shard_model, step_line,
+    parse_command_line, progress_bar, read_files, reshard, restore_training_state, shard_model, step_line,
     step_scalars, timed_phase, torchrun_rank_and_size, weight_deltas, write_whole)
 
 # ===== Flags: every flag; a field's comment is its --help =====
@@ -955,8 +955,8 @@ def reduce_gradients_after(model: Qwen3, i: int, count: int) -> None:
         model.set_reshard_after_forward(i >= count)
         model.set_requires_gradient_sync(i >= count - 1)
         model.set_reshard_after_backward(i >= count - 1)
-        for unit in (*model.layers, model) if i >= count else ():  # after an error too: none left gathered
-            unit.reshard()
+        if i >= count:  # after an error too: none left gathered
+            reshard(model)
 
 
 def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts, ref_logprobs, args: Args,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import gsm8k_jsonl, make_args, qwen3_config, trace, write_checkpoint, write_gsm8k_model
 
+import batch_invariant_backward
 import plumbing
 import simple_rl
 from batch_invariant_backward import first_divergence
@@ -62,12 +63,21 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> 
             calls[name] += 1
             return collective(*args, **kwargs)
         return call
+    summed_in_place = []  # per weight-gradient GEMM: did it add into an fp32 sum (`main_grad`)?
+
+    def weight_grad(weight, grad_out, x, original=batch_invariant_backward.weight_grad):
+        summed_in_place.append(getattr(weight, "main_grad", None) is not None)
+        return original(weight, grad_out, x)
     with ExitStack() as patches:
         for name in calls:
             patches.enter_context(patch.object(dist, name, counted(name, getattr(dist, name))))
+        patches.enter_context(patch.object(batch_invariant_backward, "weight_grad", weight_grad))
         metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args, world)
-    # The weights back in their shards after the step: a forward or a push sees the updated ones.
+    # The weights back in their shards after the step: a forward or a push sees the updated ones; no fp32
+    # gradient sum outlives the step on a gathered weight.
     assert size == 1 or all(hasattr(p, "to_local") for p in model.parameters())
+    assert size == 1 or all(getattr(p._unsharded_param, "main_grad", None) is None
+                            for p in plumbing.fsdp_params(model) if hasattr(p, "_unsharded_param"))
     grads = {name: simple_rl.gathered(plumbing.shard_like(p.main_grad, p)).clone()
              for name, p in optimizer.named}
     grad_norm, changes = optimizer.step(1e-3, max_grad_norm=0.5, world=world)
@@ -76,7 +86,8 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> 
     hf = {name: w.clone() for name, w in simple_rl.hf_weights(model)}  # gathered one by one
     micro_batches = len(simple_rl.packed_micro_batches(rollouts.prompts, rollouts.completions, 40, "cpu", world))
     return {"weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas, "hf": hf,
-            "grads": grads, "checksum": checksum, "trace": locator, "calls": calls, "micro_batches": micro_batches}
+            "grads": grads, "checksum": checksum, "trace": locator, "calls": calls, "micro_batches": micro_batches,
+            "summed_in_place": summed_in_place}
 
 
 def torchrun_env(rank: int, world: int, port: int) -> None:
@@ -222,6 +233,8 @@ def test_processes_make_the_update_of_one(tmp_path, processes, keep_gathered, ex
         1 if keep_gathered else micro_batches)
     gathers = two["calls"]["all_gather_into_tensor"]  # kept gathered: from the first forward to the last backward
     assert gathers == units if keep_gathered else gathers <= 2 * units * micro_batches
+    # Kept gathered, every weight-gradient GEMM adds into its fp32 sum, as one process's do.
+    assert all(single["summed_in_place"]) and set(two["summed_in_place"]) == {keep_gathered}
     assert first_divergence(two["trace"], single["trace"]).startswith("no intermediate tensor differs")
     assert single["weights"].keys() == two["weights"].keys() and single["hf"].keys() == two["hf"].keys()
     # The step's fp32 gradients agree to fp32 rounding: the sums only ran in another order. AdamW's

@@ -804,7 +804,8 @@ def test_head_sizes_whose_attention_vllm_computes_otherwise_are_refused():
 
 # The pieces of simple_rl.py that call into plumbing.py: the loop, main(), the error boundary, and the model's
 # shape for the checks. Every other piece lifts out with what it names in simple_rl.py (and the kernels' file).
-CALLS_PLUMBING = {"grpo_step", "grpo", "warm_start", "on_mismatch", "main", "run_as_script", "model_shape"}
+CALLS_PLUMBING = {"grpo_step", "grpo", "warm_start", "on_mismatch", "main", "run_as_script", "model_shape",
+                  "reduce_gradients_after"}
 FLAG_MARKERS = {"FIXED", "default_is"}  # plumbing's annotations of the flags: tyro's, no call at run time
 
 
