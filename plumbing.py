@@ -992,7 +992,8 @@ def gradient_sums_in_place(model, args, output) -> None:
     """Kept gathered, after a step's first forward: each gathered weight's fp32 gradient sum (FSDP2's, which
     its last backward reduce-scatters) made now and named its `main_grad`, so the weight-gradient GEMMs add
     into it as on one GPU. Else each writes a bf16 dW that FSDP2 copies or adds into the sum: 2,486 adds and
-    337 copies, ~0.1 s of a 2.05 s train phase (1.7B, 2 H200s), and a bf16 rounding one GPU does not make."""
+    337 copies, ~0.1 s of a 2.05 s train phase (1.7B, 2 H200s), and a bf16 rounding per micro-batch (FSDP2
+    still rounds the reduce-scattered sum to the weights' dtype, once a step)."""
     import torch
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
     if not torch.is_grad_enabled():
@@ -1004,13 +1005,15 @@ def gradient_sums_in_place(model, args, output) -> None:
 
 
 def reshard(model) -> None:
-    """Every unit's weights back in their shards, and no gradient sum left named on a gathered weight (the
-    step's reduce-scatter has read it: a full fp32 copy would outlive the step)."""
+    """Every unit's weights back in their shards, and no gathered gradient or sum left: the step's
+    reduce-scatter has read them, or the step failed and the next must not add to them (nor a full fp32 copy
+    outlive the step)."""
     for unit in (*model.layers, model):
         unit.reshard()
     for p in fsdp_params(model):
+        p.unsharded_accumulated_grad = None
         if hasattr(p, "_unsharded_param"):  # made at a unit's first gather
-            p._unsharded_param.main_grad = None
+            p._unsharded_param.grad = p._unsharded_param.main_grad = None
 
 
 def gather_step(rollouts, trainer_logprobs: list, world):

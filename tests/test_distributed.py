@@ -159,7 +159,10 @@ def interrupted_worker(rank: int, world: int, port: int, model_dir, out) -> None
     sharded = {}
     with pytest.raises(RuntimeError, match="in the loop"):
         simple_rl.train_on_rollouts(model, optimizer, rollouts, None, make_args(max_tokens_per_microbatch=40), place)
-    sharded["after a failed step"] = all(hasattr(p, "to_local") for p in model.parameters())
+    sharded["after a failed step"] = all(hasattr(p, "to_local") for p in model.parameters()) and not any(
+        p.unsharded_accumulated_grad is not None or getattr(p._unsharded_param, "grad", None) is not None
+        or getattr(p._unsharded_param, "main_grad", None) is not None  # nothing the next step would add to
+        for p in plumbing.fsdp_params(model) if hasattr(p, "_unsharded_param"))
     for name, _ in simple_rl.hf_weights(model):
         if name.startswith("model.layers.0."):
             break
@@ -195,8 +198,9 @@ def test_a_phase_ends_on_every_rank_when_the_slowest_rank_ends_it(tmp_path):
 
 
 def test_an_error_mid_step_or_mid_push_leaves_every_weight_sharded(tmp_path):
-    """Kept gathered for a step, the weights are resharded even if the micro-batch loop fails, and a push's
-    reader that stops leaves no unit gathered: caught, no gathered copy outlives AdamW's update of the shards.
+    """Kept gathered for a step, the weights are resharded even if the micro-batch loop fails (no gathered
+    gradient or fp32 sum left for the next step to add to), and a push's reader that stops leaves no unit
+    gathered: caught, no gathered copy outlives AdamW's update of the shards.
     The reference policy's forwards (no backward) leave its root sharded too: its memory is planned so."""
     model_dir = write_checkpoint(tmp_path / "model", qwen3_config(layers=2), seed=1)
     mp.spawn(interrupted_worker, args=(2, free_port(), model_dir, tmp_path / "out.pt"), nprocs=2)
