@@ -246,13 +246,15 @@ def saving_steps(step, checkpoints, first: int, every: int) -> dict:
     """2 x `every` more steps, as the script runs them with --save-every `every`: every `every`-th step saves
     a checkpoint (the first the process's first), whose write goes on beneath the next steps. Each saving
     step's phase times and the seconds its save held training (waiting for the previous write if it had not
-    ended, then copying to host memory), each other step's phase times, each write's seconds in the
-    background, and the seconds the end waited for the last write."""
-    out = {"saving": [], "beneath": [], "writes": []}
+    ended, then copying to host memory), each other step's phase times and whether the write was still
+    going when it ended, each write's seconds in the background, and the seconds the end waited for the last
+    write."""
+    out = {"saving": [], "beneath": [], "writing": [], "writes": []}
     for i in range(first, first + 2 * every):
         times, _ = step(i)
         if (i - first) % every:
-            out["beneath"].append(sum(times.values()))
+            out["beneath"].append(times)
+            out["writing"].append(not checkpoints.future.done())
             continue
         start = time.perf_counter()
         checkpoints.wait()  # the previous write: `save` would wait for it first too
@@ -272,11 +274,15 @@ def saving_steps(step, checkpoints, first: int, every: int) -> dict:
 
 def save_costs(run: dict) -> dict:
     """What saving costs the steps of a process, in seconds over the median step that neither saves nor runs
-    beneath a write: each saving step (its phases and what its save held), each step beneath a write."""
+    beneath a write: each saving step (its phases and what its save held), each step beneath a write, and
+    each of its phases over that phase's median (which phase the write slows)."""
     plain = statistics.median(sum(times.values()) for times in run["steps"])
     saves = run["saves"]
+    phases = {p: [t[p] - statistics.median(s[p] for s in run["steps"]) for t in saves["beneath"]]
+              for p in PHASES}
     return {"saving": [s["step"] + s["held"] - plain for s in saves["saving"]],
-            "beneath": [s - plain for s in saves["beneath"]], "held": [s["held"] for s in saves["saving"]],
+            "beneath": [sum(t.values()) - plain for t in saves["beneath"]], "beneath_phases": phases,
+            "writing": saves["writing"], "held": [s["held"] for s in saves["saving"]],
             "waited": [s["waited"] for s in saves["saving"]], "bytes": saves["bytes"],
             "writes": saves["writes"], "end_wait": saves["end_wait"], "pinning": run["pinning"]}
 
@@ -562,7 +568,9 @@ def save_lines(saves: list[dict], every: int) -> str:
     lines = [f"  process {i + 1}, a checkpoint every {every} steps: a step that saves {seconds(c['saving'])} "
              f"(the process's first save first; its save held training {seconds(c['held'], '')}, waiting for "
              f"the previous write {seconds(c['waited'], '')} of it), a step beneath a write "
-             f"{seconds(c['beneath'])}, over one that does neither; writes of {c['bytes'] / 1e9:.1f} GB in "
+             f"{seconds(c['beneath'])} (" + "; ".join(f"{p} {seconds(c['beneath_phases'][p])}" for p in PHASES)
+             + f"; the write still going at the end of {sum(c['writing'])} of them), over one that does "
+             f"neither; writes of {c['bytes'] / 1e9:.1f} GB in "
              + ", ".join(f"{w:.1f}" for w in c["writes"]) + " s ("
              + ", ".join(f"{c['bytes'] / 1e9 / w:.2f}" for w in c["writes"]) + " GB/s) in the background, "
              f"the end waited {c['end_wait']:.1f} s; page-locked memory made at the start in "

@@ -71,16 +71,22 @@ def test_the_ratio_line_says_where_the_sides_spreads_overlap():
 
 def test_a_save_is_costed_against_the_steps_that_neither_save_nor_run_beneath_a_write():
     """A saving step costs its phases and what its save held training, over the process's median timed step
-    (10.5 s here); the report's last line is the slowest saving step, the process's first save included."""
+    (10.5 s here), a step beneath a write its phases over theirs (which phase the write slows); the report's
+    last line is the slowest saving step, the process's first save included."""
     run = process((6.0, 4.0), (6.4, 4.2)) | {"pinning": 12.0, "saves": {
         "saving": [{"step": 10.6, "held": 1.5, "waited": 0.0}, {"step": 10.8, "held": 2.0, "waited": 1.5}],
-        "beneath": [11.0, 10.5], "writes": [9.0, 9.5], "end_wait": 4.0, "bytes": 19_000_000_000}}
+        "beneath": [dict(generate=6.7, train=4.1, push=0.2), dict(generate=6.2, train=4.1, push=0.2)],
+        "writing": [True, False], "writes": [9.0, 9.5], "end_wait": 4.0, "bytes": 19_000_000_000}}
     cost = bench.save_costs(run)
     assert cost["saving"] == pytest.approx([1.6, 2.3]) and cost["beneath"] == pytest.approx([0.5, 0.0])
+    assert cost["beneath_phases"]["generate"] == pytest.approx([0.5, 0.0])  # over the median 6.2 s
+    assert cost["beneath_phases"]["train"] == pytest.approx([0.0, 0.0])
     assert bench.combine([run, process((6.0, 4.0))])["saves"] == [cost]  # the standard side saves nothing
     lines = bench.save_lines([cost], 2).splitlines()
     assert "a step that saves +1.60, +2.30 s" in lines[0] and "waiting for the previous write 0.00, 1.50 s" in lines[0]
     assert "writes of 19.0 GB in 9.0, 9.5 s (2.11, 2.00 GB/s)" in lines[0]
+    assert ("a step beneath a write +0.50, +0.00 s (generate +0.50, +0.00 s; train +0.00, +0.00 s; push +0.00, "
+            "+0.00 s; the write still going at the end of 1 of them)") in lines[0]
     assert lines[-1] == ("  the slowest step that saves: +2.30 s over one that does not (1.50 s of it waiting for "
                          "the previous write: this disk writes a checkpoint more slowly than 2 steps run)")
     run["saves"]["saving"][1]["waited"] = 0.0  # the previous write had ended: nothing to explain
