@@ -13,7 +13,8 @@
 Step benchmark. Both sides run the same GRPO step on the same random weights, the same prompts
 (--prompts random token prompts of 80-200 tokens, --samples each) and the same lengths (every
 completion --max-new-tokens long, or --lengths thinking: spread as a thinking model's are; `ignore_eos`),
-and share one GPU in turns with vLLM's sleep mode at the same --vllm-gpu-memory:
+and share one GPU at the same --vllm-gpu-memory (standard: in turns, with vLLM's sleep mode, as TRL and verl
+run it; exact: as the script, vLLM awake beside the trainer where its memory plan fits both):
 - exact: simple_rl.py's own step with VLLM_BATCH_INVARIANT=1: vLLM batch-invariant with CUDA
   graphs and no compile, the trainer on vLLM's kernels in packed micro-batches, every sampled
   token's logprob asserted bitwise equal, the in-process push verified by checksum;
@@ -210,8 +211,11 @@ def exact_step_runner(ckpt: Path, args):
         run=simple_rl.Run(run_name="bench", output_dir=str(ckpt.parent / "checkpoints"), keep_last=1),
     )
     world = simple_rl.World()
-    engine = simple_rl.VLLMEngine(ckpt, args.vllm_gpu_memory,
-                                  config.data.max_prompt_tokens + args.max_new_tokens, seed=0)
+    config_json = json.loads((ckpt / "config.json").read_text())
+    shape = simple_rl.model_shape(simple_rl.model_args_from_hf_config(config_json))
+    fit = plumbing.check_gpu_memory(shape, config, world)  # as the script: vLLM stays awake if it fits beside
+    engine = simple_rl.VLLMEngine(ckpt, args.vllm_gpu_memory, config.data.max_prompt_tokens
+                                  + args.max_new_tokens, seed=0, sleep_mode=not fit.vllm_awake)
     model = simple_rl.load_qwen3(ckpt, "cuda", activation_checkpointing=args.activation_checkpointing)
     optimizer = simple_rl.MasterWeights(model, config.optimizer.lr, config.optimizer.weight_decay)
     prompts, rewards = bench_prompts(args)
@@ -472,7 +476,8 @@ def profile_lines(prof, parts, wall: str) -> str:
 SCRIPT_PARTS = {"vLLM sleeps": ("VLLMEngine", "sleep"), "reference logprobs": (None, "reference_logprobs"),
                 "micro-batches": (None, "train_on_rollouts"), "forwards": ("Qwen3", "forward"),
                 "gather the step": (None, "gather_step"), "parity": (None, "compare_bits"),
-                "optimizer step": ("MasterWeights", "step"), "vLLM wakes": ("VLLMEngine", "wake_up"),
+                "optimizer step": ("MasterWeights", "step"),
+                "vLLM wakes (cache emptied first)": ("VLLMEngine", "wake_up"),
                 "push weights": ("VLLMEngine", "push_weights"), "checksums": ("VLLMEngine", "check_weights"),
                 "empty PyTorch's cache": (torch.cuda, "empty_cache")}
 

@@ -803,11 +803,12 @@ def parameter_counts(shape: ModelShape) -> tuple[int, int]:
     return sum(sizes.values()), sum(n for name, n in sizes.items() if name.startswith("layers.0."))
 
 
-def memory_plan(shape: ModelShape, args, gpus: int, gpu_bytes: int,
-                keep_gathered: bool = False) -> dict[str, dict[str, float]]:
+def memory_plan(shape: ModelShape, args, gpus: int, gpu_bytes: int, keep_gathered: bool = False,
+                vllm_awake: bool = False) -> dict[str, dict[str, float]]:
     """Bytes one GPU holds at the peak of each phase, by what holds them: while vLLM generates (the trainer's
-    state waits), while the trainer runs a micro-batch (vLLM asleep), and while AdamW steps. FSDP2 shards the
-    trainer over torchrun's `gpus` processes (`keep_gathered`: see `shard_model`); each runs a vLLM engine."""
+    state waits), while the trainer runs a micro-batch (vLLM asleep, or `vllm_awake` beside it), and while
+    AdamW steps. FSDP2 shards the trainer over torchrun's `gpus` processes (`keep_gathered`: see
+    `shard_model`); each runs a vLLM engine."""
     from batch_invariant_backward import micro_batch_bytes  # torch's: imported when the plan is made
     e, (n, block), model_args = args.engine, parameter_counts(shape), shape.args
     shard, on_gpu = n / gpus, 0 if e.offload_optimizer else 1
@@ -820,7 +821,9 @@ def memory_plan(shape: ModelShape, args, gpus: int, gpu_bytes: int,
         fsdp = {"weights gathered": 2 * n, "unsharded fp32 gradients": 4 * n + 4 * block}
     elif gpus > 1:
         fsdp["gathered by FSDP2"] = 2 * (n - model_args.n_layers * block) + 4 * block + 6 * block
-    context, asleep = {"CUDA context": CUDA_CONTEXT_BYTES}, {"vLLM asleep": VLLM_ASLEEP_BYTES}
+    context = {"CUDA context": CUDA_CONTEXT_BYTES}
+    vllm = {"vLLM": e.vllm_gpu_memory * gpu_bytes + VLLM_SAMPLER_BYTES}
+    beside = vllm if vllm_awake else {"vLLM asleep": VLLM_ASLEEP_BYTES}  # vLLM's while the trainer works
     grads = {"fp32 gradient sums": 4 * shard}
     # bf16 gradients: one at a time (the embedding's the largest), under FSDP2 this rank's shards of them all
     embedding, offloaded = model_args.vocab_size * model_args.dim, (1 - on_gpu) / gpus  # the largest weight
@@ -832,18 +835,18 @@ def memory_plan(shape: ModelShape, args, gpus: int, gpu_bytes: int,
     requests = args.sampling.prompts_per_step * args.sampling.samples_per_prompt / gpus
     recorded = 12 * (requests + 1) * (args.sampling.max_new_tokens + 1)
     return {
-        "generating": context | {"vLLM": e.vllm_gpu_memory * gpu_bytes + VLLM_SAMPLER_BYTES} | state
+        "generating": context | vllm | state
         | {"PyTorch's cache": CACHED_WHILE_GENERATING * micro_batch, "sampled tokens' record": recorded},
-        "training": context | asleep | state | fsdp | grads | {
+        "training": context | beside | state | fsdp | grads | {
             "activations, bf16 gradients": micro_batch,
             "PyTorch's cache": CACHED_WHILE_TRAINING * micro_batch + CACHED_BESIDE_GRADIENTS * 4 * shard},
         # fused AdamW: no temporary; offloaded, a weight's copies that measure its change lie beside the sums
-        "the optimizer step": context | asleep | state | grads | {"fp32 copies": 14 * embedding * offloaded},
+        "the optimizer step": context | beside | state | grads | {"fp32 copies": 14 * embedding * offloaded},
     }
 
 
 def memory_problem(shape: ModelShape, args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None,
-                   keep_gathered: bool = False):
+                   keep_gathered: bool = False, vllm_awake: bool = False):
     """What does not fit in the GPU's `gpu_bytes`, or in `host` = (bytes available, processes sharing them);
     None if everything fits."""
     a, e, (n, _) = shape.args, args.engine, parameter_counts(shape)
@@ -853,7 +856,7 @@ def memory_problem(shape: ModelShape, args, gpus: int, gpu_bytes: int, host: tup
         return (f"vLLM's share (--vllm-gpu-memory {e.vllm_gpu_memory:g}: "
                 f"{e.vllm_gpu_memory * gpu_bytes / GiB:.1f} GiB) cannot hold its weights, a sequence's KV "
                 f"cache and its workspace ({vllm / GiB:.1f} GiB)")
-    for stage, parts in memory_plan(shape, args, gpus, gpu_bytes, keep_gathered).items():
+    for stage, parts in memory_plan(shape, args, gpus, gpu_bytes, keep_gathered, vllm_awake).items():
         if sum(parts.values()) > USABLE * gpu_bytes:
             largest = sorted(parts.items(), key=lambda part: -part[1])[:4]
             return (f"{stage} needs {sum(parts.values()) / GiB:.1f} of the GPU's {gpu_bytes / GiB:.1f} GiB ("
@@ -873,12 +876,21 @@ def memory_problem(shape: ModelShape, args, gpus: int, gpu_bytes: int, host: tup
     return None
 
 
-def check_memory(shape: ModelShape, args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None) -> bool:
+class Fit(NamedTuple):
+    """What else fits, besides the run itself (`check_memory`)."""
+    keep_gathered: bool  # a sharded trainer keeps a step's weights gathered (`shard_model`)
+    vllm_awake: bool  # vLLM stays awake beside the trainer: no memory handed over twice a step
+
+
+def check_memory(shape: ModelShape, args, gpus: int, gpu_bytes: int, host: tuple[int, int] | None) -> Fit:
     """Refuses a run that would run out of GPU (or host) memory, naming changes with which it would fit.
-    Returns whether a sharded trainer fits with a step's weights kept gathered (`shard_model`)."""
+    Where it fits, says whether a sharded trainer fits with a step's weights kept gathered, and then whether
+    vLLM's share fits beside the training phase: its sleep and wake (~0.2 s a step on an H200) and the
+    trainer's allocations made anew each step (emptied for vLLM's wake) are then saved."""
     problem = memory_problem(shape, args, gpus, gpu_bytes, host)
     if problem is None:
-        return gpus > 1 and not memory_problem(shape, args, gpus, gpu_bytes, host, keep_gathered=True)
+        kept = gpus > 1 and not memory_problem(shape, args, gpus, gpu_bytes, host, keep_gathered=True)
+        return Fit(kept, not memory_problem(shape, args, gpus, gpu_bytes, host, kept, vllm_awake=True))
     e = args.engine
 
     def engine(**changes):
@@ -906,7 +918,7 @@ def check_memory(shape: ModelShape, args, gpus: int, gpu_bytes: int, host: tuple
                      + (f"it would fit with {' or '.join(fits)}" if fits else "no one change makes it fit"))
 
 
-def check_gpu_memory(shape: ModelShape, args, world) -> bool:
+def check_gpu_memory(shape: ModelShape, args, world) -> Fit:
     """`check_memory` on this rank's GPU and host; prints the plan once."""
     import torch
     gpu_bytes = torch.cuda.mem_get_info()[1]
@@ -916,13 +928,14 @@ def check_gpu_memory(shape: ModelShape, args, world) -> bool:
         host = (available, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except (OSError, StopIteration):  # not Linux: the host is not checked
         host = None
-    keep_gathered = check_memory(shape, args, world.size, gpu_bytes, host)
+    fit = check_memory(shape, args, world.size, gpu_bytes, host)
     if world.is_main:
         peaks = [f"{stage} {sum(parts.values()) / GiB:.1f}" for stage, parts
-                 in memory_plan(shape, args, world.size, gpu_bytes, keep_gathered).items()]
-        fsdp = "; FSDP2 keeps a step's weights gathered" if keep_gathered else ""
-        print(f"GPU memory planned, GiB of {gpu_bytes / GiB:.1f}: {', '.join(peaks)}{fsdp}")
-    return keep_gathered
+                 in memory_plan(shape, args, world.size, gpu_bytes, *fit).items()]
+        fsdp = "; FSDP2 keeps a step's weights gathered" if fit.keep_gathered else ""
+        awake = "; vLLM stays awake beside the trainer" if fit.vllm_awake else ""
+        print(f"GPU memory planned, GiB of {gpu_bytes / GiB:.1f}: {', '.join(peaks)}{fsdp}{awake}")
+    return fit
 
 
 # ===== Several GPUs (torchrun): data parallel, an FSDP2-sharded trainer =====

@@ -43,7 +43,7 @@ from typing import Annotated, Literal, NamedTuple
 import tyro
 
 from plumbing import (
-    FIXED, CheckpointError, Checkpoints, ModelShape, UsageError, agreed_run_name, check_args,
+    FIXED, CheckpointError, Checkpoints, Fit, ModelShape, UsageError, agreed_run_name, check_args,
     check_gpu_memory, default_is, exit_on, exit_on_full_disk, gather_step, init_distributed, load_inputs,
     log_eval, log_line, log_parity, log_step, log_to_file, open_tensorboard, parity_record,
     parse_command_line, progress_bar, read_files, reshard, restore_training_state, shard_model, step_line,
@@ -649,7 +649,7 @@ class VLLMEngine:
             enable_return_routed_experts=return_routed_experts,  # a mixture of experts' choices, each token's
             **graphs, **vllm_args,  # more vllm.LLM arguments (tests give a second engine a fixed KV cache)
         )  # fmt: skip
-        self.served_checksum = self.weights_checksum()
+        self.served_checksum, self.sleep_mode = self.weights_checksum(), sleep_mode
         self.return_routed_experts, self.routed_experts = return_routed_experts, None  # the last generate's
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list,
@@ -678,13 +678,16 @@ class VLLMEngine:
             if collecting:
                 gc.enable()
 
-    def sleep(self) -> None:
-        self.llm.sleep(level=2)  # discards the weights, not copied to the host: the trainer pushes new ones
+    def sleep(self) -> None:  # level 2 discards the weights, not copied to the host (new ones are pushed)
+        if self.sleep_mode:  # else vLLM stays awake beside the trainer (the plan fits both)
+            self.llm.sleep(level=2)
 
     def wake_up(self, tags: list[str]) -> None:
-        self.llm.wake_up(tags=tags)  # the same addresses (CUDA graphs stay valid); contents not restored
-        if self.exact and "kv_cache" in tags:
-            self.llm.collective_rpc(restore_block_table_pointers)
+        if self.sleep_mode:  # first the trainer's freed blocks (and a push's) go back, for vLLM to map
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=tags)  # the same addresses (CUDA graphs stay valid); contents not restored
+            if self.exact and "kv_cache" in tags:
+                self.llm.collective_rpc(restore_block_table_pointers)
 
     def push_weights(self, model: Qwen3) -> None:  # no disk: vLLM's `load_weights` fills its merged slots
         self.llm.apply_model(lambda served: served.load_weights(hf_weights(model)))
@@ -693,10 +696,8 @@ class VLLMEngine:
         return self.llm.apply_model(vllm_weights_checksum)[0]
 
     def sync_weights(self, model: Qwen3, world: World, changed: bool) -> None:
-        torch.cuda.empty_cache()  # the trainer's freed blocks go back to the driver, for vLLM to map
         self.wake_up(["weights"])
         self.push_weights(model)
-        torch.cuda.empty_cache()  # and the push's gathered weights (several GPUs)
         self.wake_up(["kv_cache"])
         self.check_weights(model, world, changed)
 
@@ -1067,8 +1068,7 @@ def compare_bits(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch
     token = flat - (int(ends[sample - 1]) if sample else 0)
     where = f" (sampled on rank {sample * world.size // len(tokens)})" if world.size > 1 else ""
     message = (f"sample {sample}{where} token {token} (id {tokens[sample][token]}): vLLM logprob "
-               f"{float(v[flat])!r} but trainer {float(t[flat])!r}; {mismatched} of {len(v)} sampled tokens "
-               "differ")
+               f"{float(v[flat])!r} but trainer {float(t[flat])!r}; {mismatched} of {len(v)} tokens differ")
     return metrics, Mismatch(message, sample, token)
 
 
@@ -1123,8 +1123,8 @@ def warm_start(model: Qwen3, inputs, order: list[int], args: Args, world: World 
 def grpo_step(step: int, sample, engine, model: Qwen3, optimizer: MasterWeights, ref_model, args: Args,
               writer=None, world: World = World()) -> tuple[Rollouts, dict]:
     """One GRPO step. vLLM generates the step's rollouts (`sample()`) as the trainer's state waits in memory,
-    sleeps while the trainer trains on them (every sampled token's logprob checked bit for bit against
-    vLLM's), and wakes with the new weights. Logs the step; returns every rank's rollouts and its scalars."""
+    sleeps (unless it fits beside) as the trainer trains on them (each sampled token's logprob checked bit for
+    bit against vLLM's), then serves the new weights. Logs the step; returns all ranks' rollouts, scalars."""
     times, memory, o = {}, {}, args.optimizer
     with timed_phase("generate", times, memory, world):
         rollouts = sample()
@@ -1192,7 +1192,7 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
     world = World(*init_distributed(device, args.engine.offload_optimizer))
     args = agreed_run_name(args, world)  # runs/<name> and the checkpoints: one folder for every rank
     # Before vLLM starts: a model that cannot fit is refused, not run out of memory (the CPU is not planned).
-    keep_gathered = check_gpu_memory(inputs.shape, args, world) if device == "cuda" else True
+    fit = check_gpu_memory(inputs.shape, args, world) if device == "cuda" else Fit(True, vllm_awake=False)
     if quiet:
         log_to_file(args.run.run_name, args.run.verbose, world)
     random.seed(args.data.seed)  # the loop draws from no global generator: seeded (and saved) for additions
@@ -1204,11 +1204,11 @@ def main(args: Args, device: str = "cuda", engine_class=VLLMEngine, quiet: bool 
     engine = engine_class(inputs.model_dir, args.engine.vllm_gpu_memory,  # first: claims an empty GPU
                           args.data.max_prompt_tokens + args.sampling.max_new_tokens, args.data.seed,
                           cuda_graphs=args.engine.vllm_cuda_graphs, return_routed_experts=inexact_moe,
-                          **parallel)
+                          sleep_mode=not fit.vllm_awake, **parallel)
     model = load_qwen3(inputs.model_dir, device,
                        activation_checkpointing=args.engine.activation_checkpointing)
     if world.size > 1:
-        shard_model(model, world, keep_gathered)
+        shard_model(model, world, fit.keep_gathered)
     engine.check_weights(model, world)
     writer = open_tensorboard(args, inputs.start_step) if world.is_main else None
     order = list(range(len(inputs.train_rows)))

@@ -165,16 +165,12 @@ def test_prompt_and_greedy_logprobs_are_the_trainers(served):
                for n in torch.randint(20, 1001, (500,), generator=g)]
     short = [p[:700] for p in prompts]  # 500 x 256 new tokens fit the engine's 1,024
     for pushed in (False, True):
-        if pushed:  # weights changed and pushed as the script pushes them (the tiny engine does not sleep)
-            with torch.no_grad():
+        if pushed:  # weights changed and pushed as the script pushes them (the tiny engine, without sleep
+            with torch.no_grad():  # mode, stays awake: its sleep and wake do nothing)
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.01)
-            if name == "tiny":
-                engine.push_weights(model)
-                engine.check_weights(model, simple_rl.World(), changed=True)
-            else:
-                engine.sleep()
-                engine.sync_weights(model, simple_rl.World(), changed=True)
+            engine.sleep()
+            engine.sync_weights(model, simple_rl.World(), changed=True)
         ours = scored_by_trainer(model, prompts)
         for top in (0, 5):
             mismatched = count_mismatches(ours, prompt_logprobs(engine, prompts, top))

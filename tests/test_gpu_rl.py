@@ -88,10 +88,14 @@ def test_rl_run_is_bitwise_every_step_and_its_checkpoint_loads(tmp_path):
     check_the_checkpoint_serves_the_trainers_bits(tmp_path / "checkpoints" / "on" / f"step_{STEPS:06d}")
 
     # Same seed, same run: the reward and loss curves come out bit for bit the same, also with an
-    # eager engine (CUDA graphs replay the eager kernels), recomputed activations, and a correction
-    # whose weights are all exactly 1.
+    # eager engine (CUDA graphs replay the eager kernels), recomputed activations, a correction
+    # whose weights are all exactly 1, and vLLM asleep while the trainer trains: with 90% of the GPU
+    # its share no longer fits beside the trainer (at 12%, "on" kept it awake).
     again = run(tmp_path, model_dir, "on_again", batch_invariant=True,
-                extra=["--no-vllm-cuda-graphs", "--activation-checkpointing", "--correction", "mis"])
+                extra=["--no-vllm-cuda-graphs", "--activation-checkpointing", "--correction", "mis",
+                       "--vllm-gpu-memory", "0.9"])
+    assert values(on, "memory/train_gib")[-1] > values(on, "memory/generate_gib")[-1] - 1  # awake: still there
+    assert values(again, "memory/train_gib")[-1] < values(again, "memory/generate_gib")[-1] / 2  # asleep
     assert all(m == 0 for m in values(again, "parity/mismatched_tokens"))
     assert values(again, "train/correction_weight_mean") == [1.0] * STEPS
     assert values(again, "train/correction_cut_frac") == [0.0] * STEPS

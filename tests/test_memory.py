@@ -205,9 +205,24 @@ def test_a_sharded_trainer_keeps_a_steps_weights_gathered_where_they_fit():
     gradient sums through a step (one reduce-scatter a step): for the 1.7B shape on 2 H100s; not for the 8B on
     4, whose sharded state fits only re-gathered at every micro-batch. One GPU shards nothing."""
     n = plumbing.parameter_counts(shape("1.7b"))[0]
-    assert plumbing.check_memory(shape("1.7b"), flags(), 2, H100, None) is True
+    assert plumbing.check_memory(shape("1.7b"), flags(), 2, H100, None).keep_gathered is True
     kept = plumbing.memory_plan(shape("1.7b"), flags(), 2, H100, keep_gathered=True)["training"]
     assert kept["weights gathered"] == 2 * n and kept["unsharded fp32 gradients"] > 4 * n
     assert "gathered by FSDP2" not in kept and kept["fp32 gradient sums"] == 2 * n
-    assert plumbing.check_memory(shape("8b"), flags(activation_checkpointing=True), 4, H100, None) is False
-    assert plumbing.check_memory(shape("1.7b"), flags(), 1, H100, None) is False
+    assert plumbing.check_memory(shape("8b"), flags(activation_checkpointing=True), 4, H100, None).keep_gathered is False
+    assert plumbing.check_memory(shape("1.7b"), flags(), 1, H100, None).keep_gathered is False
+
+
+def test_vllm_stays_awake_where_its_share_fits_beside_the_training_phase():
+    """Then the engine runs without sleep mode: no sleep or wake, no allocations made anew each step. The
+    1.7B shape on one or two H200s (its training phase planned at 130 of 136 usable GiB beside vLLM's half of
+    the GPU); not on an H100, nor the 8B on two H200s."""
+    assert plumbing.check_memory(shape("1.7b"), flags(), 1, H200, None) == (False, True)
+    assert plumbing.check_memory(shape("1.7b"), flags(), 2, H200, None) == (True, True)
+    assert plumbing.check_memory(shape("1.7b"), flags(), 1, H100, None) == (False, False)
+    assert plumbing.check_memory(shape("8b"), flags(offload_optimizer=True), 2, H200, None) == (True, False)
+    awake, asleep = (plumbing.memory_plan(shape("1.7b"), flags(), 1, H200, vllm_awake=v) for v in (True, False))
+    assert awake["training"]["vLLM"] == awake["generating"]["vLLM"] and "vLLM asleep" not in awake["training"]
+    assert awake["generating"] == asleep["generating"]
+    assert sum(awake["training"].values()) - sum(asleep["training"].values()) == pytest.approx(
+        awake["training"]["vLLM"] - plumbing.VLLM_ASLEEP_BYTES)

@@ -889,16 +889,19 @@ class TrainerAsSampler(simple_rl.VLLMEngine):
     """Test double for vLLM, which cannot run on a CPU: samples from the checkpoint with this project's own
     Qwen3 (CPU reference path) and returns its logprobs of the sampled tokens. It holds the script to vLLM's
     sleep-mode protocol: generate only when awake, push only into woken weights (their contents lost while
-    asleep, as vLLM's level-2 sleep loses them). The weight sync and check are VLLMEngine's own."""
+    asleep, as vLLM's level-2 sleep loses them); without sleep mode, as VLLMEngine, it never sleeps. The weight
+    sync and check are VLLMEngine's own."""
 
     def __init__(self, model_dir, gpu_memory_utilization, max_model_len, seed, cuda_graphs,
-                 return_routed_experts=False, **vllm_args):
+                 return_routed_experts=False, sleep_mode=True, **vllm_args):
         self.model = simple_rl.load_qwen3(model_dir, "cpu")
         self.vllm_args, self.return_routed_experts, self.routed_experts = vllm_args, return_routed_experts, None
-        self.asleep, self.calls = set(), []
+        self.asleep, self.calls, self.sleep_mode = set(), [], sleep_mode
         self.served_checksum = self.weights_checksum()
 
     def sleep(self):
+        if not self.sleep_mode:
+            return
         assert not self.asleep, "sleep() while already asleep"
         self.asleep = {"weights", "kv_cache"}
         self.calls.append("sleep")
@@ -907,6 +910,8 @@ class TrainerAsSampler(simple_rl.VLLMEngine):
                 p.fill_(float("nan"))  # level 2 discards the weights
 
     def wake_up(self, tags):
+        if not self.sleep_mode:
+            return
         assert set(tags) <= self.asleep, f"wake_up({tags}) of tags not asleep"
         self.asleep -= set(tags)
         self.calls.append(f"wake_up {','.join(tags)}")
@@ -1042,6 +1047,29 @@ os.write(2, b"a C++ line after the edit\\n")
     assert result.returncode == 0 and result.stderr == "", result.stderr
     log = (tmp_path / "runs" / "edited" / "log.txt").read_text()
     assert "a warning after the edit" in log and "a C++ line after the edit" in log, log
+
+
+def test_with_vllm_awake_beside_the_trainer_the_run_is_the_same(tmp_path, monkeypatch):
+    """Where the plan fits vLLM's share beside the trainer (`Fit.vllm_awake`), the engine runs without sleep
+    mode: it neither sleeps nor wakes, each push overwrites the weights it serves, and the run is the sleeping
+    engine's, scalar for scalar."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model_dir = write_gsm8k_model(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    runs, engines = {}, []
+    for awake in (False, True):
+        def engine_class(*a, **kw):
+            assert kw["sleep_mode"] is True  # main's: the CPU is not planned, so vLLM's protocol is kept
+            engines.append(TrainerAsSampler(*a, **kw | {"sleep_mode": not awake}))
+            return engines[-1]
+        args = small_run(model_dir, run_name=f"awake_{awake}", steps=2, lr=1e-3, sft_steps=1, sft_batch_size=2,
+                         eval_every=0, save_every=-1)
+        runs[awake] = EventAccumulator(str(simple_rl.main(args, device="cpu", engine_class=engine_class))).Reload()
+    assert "sleep" in engines[0].calls
+    assert engines[1].calls == ["push", "generate", "push", "generate", "push"]  # warm start, two steps
+    for tag in ("train/loss", "train/grad_norm", "reward/reward_mean", "parity/mismatched_tokens"):
+        assert [e.value for e in runs[True].Scalars(tag)] == [e.value for e in runs[False].Scalars(tag)], tag
 
 
 def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
