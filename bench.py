@@ -282,8 +282,8 @@ def save_costs(run: dict) -> dict:
     each of its phases over that phase's median (which phase the write slows)."""
     plain = statistics.median(sum(times.values()) for times in run["steps"])
     saves = run["saves"]
-    phases = {p: [t[p] - statistics.median(s[p] for s in run["steps"]) for t in saves["beneath"]]
-              for p in PHASES}
+    median = {p: statistics.median(times[p] for times in run["steps"]) for p in PHASES}
+    phases = {p: [t[p] - median[p] for t in saves["beneath"]] for p in PHASES}
     return {"saving": [s["step"] + s["held"] - plain for s in saves["saving"]],
             "beneath": [sum(t.values()) - plain for t in saves["beneath"]], "beneath_phases": phases,
             "writing": saves["writing"], "held": [s["held"] for s in saves["saving"]],
