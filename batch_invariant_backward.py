@@ -693,8 +693,8 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
         return grad_x, grad_w, None, grad_x if ctx.add else None
 
 
-# Triton compiles a variant the first time an integer argument is 1 or a multiple of 16; the row count and tiles
-# a program vary with a micro-batch's tokens, so a new variant (0.3 s each) could still compile in step 1 or 2.
+# Triton compiles a variant the first time an integer argument is 1 or a multiple of 16; the row count and
+# tiles a program vary with a micro-batch's tokens, so a new variant (0.3 s each) could compile in any step.
 @triton.jit(do_not_specialize=["n_rows", "tiles_per_program"])
 def _rms_norm_backward_kernel(grad_out, x, x_row_stride, x_head_stride, weight, grad_summed, grad_x,
                               partial_grad_w, heads, n_rows, n_cols, eps, tiles_per_program,

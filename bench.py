@@ -50,6 +50,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import os
 import random
@@ -996,7 +997,7 @@ def kernel_benchmark(args) -> dict:
           f"(tiles {tiles})")
     results |= norm_and_log_softmax_benchmark(args.shape, n_layers)
     if args.sweep:
-        results["sweep"] = tile_sweep(shapes, weight)
+        results["sweep"] = tile_sweep(shapes, weight, n_layers)
     return results
 
 
@@ -1037,42 +1038,51 @@ def norm_and_log_softmax_benchmark(shape: str, n_layers: int) -> dict:
     return out
 
 
-def tile_sweep(shapes: dict, weight) -> dict:
-    """Every tile shape worth trying, at each GEMM and row count: its time (L2 flushed before each call,
-    as in a decode step) and whether its bits are vLLM's. Prints the fastest per GEMM and row count."""
-    import triton
-
-    from batch_invariant_backward import tiled_linear
+def tile_sweep(shapes: dict, weight, n_layers: int) -> dict:
+    """Every tile shape worth trying (pipelines up to 24 stages), at each GEMM and row count, timed as a
+    decode step runs it: the GEMM's layers (distinct weights, read from memory) as one CUDA graph; a single
+    timed call of a few microseconds would time its launch. Prints the current pick, cuBLAS, the fastest 3,
+    a decode step's total with each, and whether every tile's bits are vLLM's."""
+    from batch_invariant_backward import matmul_tiles, tiled_linear
     from vllm.model_executor.layers.batch_invariant import matmul_persistent
 
-    candidates = [dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, num_warps=w, num_stages=s)
-                  for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128, 256) for w in (4, 8)
-                  for s in (3, 4, 6, 8)
-                  if (bm * 64 + 64 * bn) * 2 * s <= 200_000 and not (w == 8 and bm * bn < 4096)]
-    out, differ = {}, 0
-    for name, (n, k) in shapes.items():
-        w = weight(n, k)
-        for m in (1, 32, 64, 128, 256, 1024, 8192):
+    out, differ, sms = {}, 0, torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (1, 32, 64, 128, 256, 1024, 8192):
+        totals = {"picks": 0.0, "best": 0.0, "cuBLAS": 0.0}
+        for name, (n, k) in shapes.items():
+            ws = [weight(n, k) for _ in range(1 if name == "lm_head" else n_layers)]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            reference = matmul_persistent(x, w.t())
+            reference = matmul_persistent(x, ws[0].t())
+            pick = matmul_tiles(m, n, sms)
+            picked = graph_ms(lambda: [tiled_linear(x, w, tiles=pick) for w in ws])
+            cublas = graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in ws])
             timed = []
-            for tiles in candidates:
-                if tiles["BLOCK_SIZE_M"] > max(16, 2 * m) or (m >= 2048 and tiles["BLOCK_SIZE_M"] < 64):
+            for bm in (16, 32, 64, 128):
+                if bm > max(16, 2 * m) or (m >= 2048 and bm < 64):
                     continue
-                try:
-                    y = tiled_linear(x, w, tiles=tiles)
-                except Exception:  # out of shared memory or registers
-                    continue
-                differ += int((y.view(torch.int16) != reference.view(torch.int16)).sum())
-                timed.append((triton.testing.do_bench(lambda: tiled_linear(x, w, tiles=tiles),
-                                                      warmup=3, rep=10),
-                              tuple(tiles.values())))
-            base = triton.testing.do_bench(lambda: matmul_persistent(x, w.t()), warmup=5, rep=20)
-            cublas = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, w), warmup=5, rep=20)
+                candidates = itertools.product((16, 32, 64, 128, 256), (2, 4, 8), (3, 4, 6, 8, 12, 16, 24))
+                for bn, warps, stages in candidates:
+                    if ((bm + bn) * 64 * 2 * stages > 220_000 or (warps == 8 and bm * bn < 4096)
+                            or (warps == 2 and bm * bn > 2048)):
+                        continue
+                    tiles = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, num_warps=warps, num_stages=stages)
+                    try:
+                        y = tiled_linear(x, ws[0], tiles=tiles)  # compiled here, before a capture
+                    except Exception:  # out of shared memory or registers
+                        continue
+                    differ += int((y.view(torch.int16) != reference.view(torch.int16)).sum())
+                    timed.append((graph_ms(lambda: [tiled_linear(x, w, tiles=tiles) for w in ws]),
+                                  tuple(tiles.values())))
             timed.sort()
-            out[f"{name} m={m}"] = {"vllm": base, "cublas": cublas, "best": timed[:3]}
-            print(f"  {name:<8} m={m:<5} vllm {base * 1e3:7.1f} us  cuBLAS {cublas * 1e3:7.1f} us  best "
-                  + "  ".join(f"{t * 1e3:.1f} us {c}" for t, c in timed[:3]), flush=True)
+            totals["picks"] += picked
+            totals["best"] += min(picked, timed[0][0])
+            totals["cuBLAS"] += cublas
+            out[f"{name} m={m}"] = {"pick": picked, "cublas": cublas, "best": timed[:3]}
+            print(f"  {name:<8} x{len(ws):<3} m={m:<5} pick {tuple(pick.values())} {picked:.3f} ms  cuBLAS "
+                  f"{cublas:.3f} ms  best " + "  ".join(f"{t:.3f} ms {c}" for t, c in timed[:3]), flush=True)
+            del ws
+        print(f"  m={m}: the GEMMs of a step, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in totals.items()),
+              flush=True)
     print(f"  sweep: {differ} differing elements over all tiles tried")
     return out | {"differing_elements": differ}
 
