@@ -996,8 +996,8 @@ def kernel_benchmark(args) -> dict:
     print(f"\ntiled_linear against vLLM's tiles: {differ} of {checked:,} output elements differ "
           f"(tiles {tiles})")
     results |= norm_and_log_softmax_benchmark(args.shape, n_layers)
-    if args.sweep:
-        results["sweep"] = tile_sweep(shapes, weight, n_layers)
+    if args.sweep is not None:
+        results["sweep"] = tile_sweep(shapes, weight, n_layers, args.sweep or SWEEP_ROWS)
     return results
 
 
@@ -1038,7 +1038,10 @@ def norm_and_log_softmax_benchmark(shape: str, n_layers: int) -> dict:
     return out
 
 
-def tile_sweep(shapes: dict, weight, n_layers: int) -> dict:
+SWEEP_ROWS = (1, 32, 64, 128, 256, 1024, 8192)  # decode steps' sequences, then training micro-batches'
+
+
+def tile_sweep(shapes: dict, weight, n_layers: int, rows=SWEEP_ROWS) -> dict:
     """Every tile shape worth trying (pipelines up to 24 stages), at each GEMM and row count, timed as a
     decode step runs it: the GEMM's layers (distinct weights, read from memory) as one CUDA graph; a single
     timed call of a few microseconds would time its launch. Prints the current pick, cuBLAS, the fastest 3,
@@ -1047,7 +1050,7 @@ def tile_sweep(shapes: dict, weight, n_layers: int) -> dict:
     from vllm.model_executor.layers.batch_invariant import matmul_persistent
 
     out, differ, sms = {}, 0, torch.cuda.get_device_properties(0).multi_processor_count
-    for m in (1, 32, 64, 128, 256, 1024, 8192):
+    for m in rows:
         totals = {"picks": 0.0, "best": 0.0, "cuBLAS": 0.0}
         for name, (n, k) in shapes.items():
             ws = [weight(n, k) for _ in range(1 if name == "lm_head" else n_layers)]
@@ -1239,7 +1242,9 @@ def parse_flags() -> argparse.Namespace:
     kernels.add_argument("--kernels", action="store_true",
                          help="decode-step GEMMs and training-size TFLOP/s (vLLM's tiles, tiled_linear's, "
                          "cuBLAS); a decode step's norms and the sampler's log-softmax (vLLM's, ours)")
-    kernels.add_argument("--sweep", action="store_true", help="with --kernels: time every tile shape")
+    kernels.add_argument("--sweep", type=int, nargs="*", metavar="ROWS",
+                         help="with --kernels: time every tile shape at these row counts (default: "
+                         f"{' '.join(map(str, SWEEP_ROWS))})")
     kernels.add_argument("--decode", nargs="*", choices=DECODE_SIDES, metavar="SIDE",
                          help="ms per decode step: the standard engine, the exact one with vLLM's and with "
                          f"our tiles (default: all of {', '.join(DECODE_SIDES)})")

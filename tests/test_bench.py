@@ -240,3 +240,11 @@ def test_a_profiled_script_run_writes_its_steps_profile(tmp_path, monkeypatch):
     assert {"micro-batches", "forwards", "parity", "optimizer step", "gather the step", "checksums"} <= set(
         text.splitlines()[1:]), text
     assert (tmp_path / "runs" / "prof" / "trace_rank0.json.gz").stat().st_size > 0
+
+
+def test_the_sweep_takes_its_row_counts_or_sweeps_them_all(monkeypatch):
+    """`--kernels --sweep 128 256` sweeps the tiles at those rows alone (a sweep of every row count outlasts a
+    device call); `--sweep` alone, an empty list (every row count), and no sweep without it."""
+    for argv, rows in ((["--sweep", "128", "256"], [128, 256]), (["--sweep"], []), ([], None)):
+        monkeypatch.setattr(bench.sys, "argv", ["bench.py", "--kernels", *argv])
+        assert bench.parse_flags().sweep == rows
