@@ -1041,7 +1041,7 @@ def norm_and_log_softmax_benchmark(shape: str, n_layers: int) -> dict:
 SWEEP_ROWS = (1, 32, 64, 128, 256, 1024, 8192)  # decode steps' sequences, then training micro-batches'
 
 
-def tile_sweep(shapes: dict, weight, n_layers: int, rows=SWEEP_ROWS) -> dict:
+def tile_sweep(shapes: dict, weight, n_layers: int, rows) -> dict:
     """Every tile shape worth trying (pipelines up to 24 stages), at each GEMM and row count, timed as a
     decode step runs it: the GEMM's layers (distinct weights, read from memory) as one CUDA graph; a single
     timed call of a few microseconds would time its launch. Prints the current pick, cuBLAS, the fastest 3,
