@@ -413,16 +413,19 @@ def matmul_tiles(M: int, N: int, num_sms: int) -> dict:
     sequences decoding) then get N / 128 tiles, 16 for a 2048-wide output, and leave most SMs idle. Here,
     at up to 512 rows, a tile is as tall as the rows need and as wide as keeps at least half the SMs busy,
     and its pipeline has up to 8 stages (7 K steps loading ahead): a decode GEMM is a read of the weights,
-    and narrow tiles need deep pipelines to read at full speed. Above 512 rows, 128 x 256 tiles run near
-    cuBLAS's speed. Chosen from sweeps over the Qwen3-1.7B projections on an H100 (`bench.py --kernels
-    --sweep`). Only BLOCK_SIZE_K fixes the order of the fp32 sums, so every choice gives the same bits
-    (tests/test_gpu.py checks that)."""
+    and narrow tiles need deep pipelines to read at full speed; a narrow output gets tiles of at most 64
+    rows. Above 512 rows, 128 x 256 tiles run near cuBLAS's speed. Chosen from sweeps over the Qwen3-1.7B
+    projections on an H100 and, at 128 and 256 rows, an H200 (`bench.py --kernels --sweep`). Only
+    BLOCK_SIZE_K fixes the order of the fp32 sums, so every choice gives the same bits (tests/test_gpu.py
+    checks that)."""
     if M > 512:
         return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, num_warps=8, num_stages=3)
     block_m = min(128, max(16, 1 << (M - 1).bit_length()))  # the power of 2 that holds M rows
-    rows = -(-M // block_m)
-    if block_m == 128 and rows * -(-N // 256) >= num_sms // 2:
+    if block_m == 128 and -(-M // 128) * -(-N // 256) >= num_sms // 2:
         return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, num_warps=8, num_stages=4)  # gate/up, lm_head
+    if block_m == 128 and -(-M // 128) * -(-N // 128) < num_sms // 2:
+        block_m = 64  # narrow outputs (q/k/v, o_proj, down): twice the tiles, each half as tall
+    rows = -(-M // block_m)
     block_n = 128
     while block_n > 16 and rows * -(-N // block_n) < num_sms // 2:
         block_n //= 2
