@@ -54,6 +54,7 @@ import itertools
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -231,12 +232,14 @@ def exact_step_runner(ckpt: Path, args):
         return simple_rl.Rollouts(prompts, completions, logprobs, rewards, advantages)
 
     def step(i: int, after_sample=lambda: None) -> tuple[dict, dict]:
+        before = host_counters()
         rollouts, scalars = simple_rl.grpo_step(i, functools.partial(sample, i, after_sample), engine, model,
                                                 optimizer, None, config, world=world)
         times = {name: scalars[f"time/{name}"] for name in PHASES}
         return times, {name: scalars[f"memory/{name}_gib"] for name in PHASES} | engine_steps.medians() | {
             "mismatched_tokens": scalars["parity/mismatched_tokens"],
             "sampled_tokens": sum(len(c) for c in rollouts.completions),
+            "host": {name: n - before[name] for name, n in host_counters().items()},
         }
 
     start = time.perf_counter()
@@ -247,6 +250,19 @@ def exact_step_runner(ckpt: Path, args):
     return step, checkpoints, time.perf_counter() - start
 
 
+def host_counters() -> dict:
+    """What this thread (the one that steps) spent and waited for on the host, and the machine's reclaim:
+    where a step beneath a checkpoint write may lose its time. `waits`: voluntary context switches (a lock,
+    the GIL, I/O); `preempted`: involuntary ones (another thread took the core); `reclaimed`: pages scanned
+    by direct reclaim (an allocation that waited for memory), machine-wide (Linux's /proc/vmstat)."""
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    vmstat = Path("/proc/vmstat")
+    counts = dict(line.split() for line in vmstat.read_text().splitlines()) if vmstat.exists() else {}
+    return {"user_s": usage.ru_utime, "system_s": usage.ru_stime, "waits": usage.ru_nvcsw,
+            "preempted": usage.ru_nivcsw, "page_faults": usage.ru_minflt + usage.ru_majflt,
+            "reclaimed": int(counts.get("pgscan_direct", 0))}
+
+
 def saving_steps(step, checkpoints, first: int, every: int) -> dict:
     """2 x `every` more steps, as the script runs them with --save-every `every`: every `every`-th step saves
     a checkpoint (the first the process's first), whose write goes on beneath the next steps. Each saving
@@ -254,11 +270,12 @@ def saving_steps(step, checkpoints, first: int, every: int) -> dict:
     ended, then copying to host memory), each other step's phase times and whether the write was still
     going when it ended, each write's seconds in the background, and the seconds the end waited for the last
     write."""
-    out = {"saving": [], "beneath": [], "writing": [], "writes": []}
+    out = {"saving": [], "beneath": [], "beneath_host": [], "writing": [], "writes": []}
     for i in range(first, first + 2 * every):
-        times, _ = step(i)
+        times, metrics = step(i)
         if (i - first) % every:
             out["beneath"].append(times)
+            out["beneath_host"].append(metrics["host"])
             out["writing"].append(not checkpoints.future.done())
             continue
         start = time.perf_counter()
@@ -280,12 +297,15 @@ def saving_steps(step, checkpoints, first: int, every: int) -> dict:
 def save_costs(run: dict) -> dict:
     """What saving costs the steps of a process, in seconds over the median step that neither saves nor runs
     beneath a write: each saving step (its phases and what its save held), each step beneath a write, and
-    each of its phases over that phase's median (which phase the write slows)."""
+    each of its phases over that phase's median (which phase the write slows), and its host counters
+    (`host_counters`) beside their medians over the plain steps (what the write makes it wait for)."""
     plain = statistics.median(sum(times.values()) for times in run["steps"])
     saves = run["saves"]
     median = {p: statistics.median(times[p] for times in run["steps"]) for p in PHASES}
     phases = {p: [t[p] - median[p] for t in saves["beneath"]] for p in PHASES}
-    return {"saving": [s["step"] + s["held"] - plain for s in saves["saving"]],
+    host = {name: (statistics.median(h[name] for h in run["host"]), [h[name] for h in saves["beneath_host"]])
+            for name in run["host"][0]}
+    return {"host": host, "saving": [s["step"] + s["held"] - plain for s in saves["saving"]],
             "beneath": [sum(t.values()) - plain for t in saves["beneath"]], "beneath_phases": phases,
             "writing": saves["writing"], "held": [s["held"] for s in saves["saving"]],
             "waited": [s["waited"] for s in saves["saving"]], "bytes": saves["bytes"],
@@ -434,6 +454,7 @@ def run_side(side: str, ckpt: Path, args) -> dict:
         "mismatched_tokens": [m.get("mismatched_tokens") for _, m in results],
         "engine_step_ms": [m["engine_step_ms"] for _, m in results],
         "forward_ms": [m["forward_ms"] for _, m in results],
+        "host": [m.get("host") for _, m in results],  # the exact side's (`host_counters`)
         "sampled_tokens": results[0][1]["sampled_tokens"],
         "device": torch.cuda.get_device_name(),
         "pinning": pinning,
@@ -567,8 +588,8 @@ def combine(runs: list[dict]) -> dict:
 
 
 def save_lines(saves: list[dict], every: int) -> str:
-    """Each exact process's save costs (`save_costs`) in a line, and the worst step that saves, first saves
-    included: the figure held against issue #37's 3 s."""
+    """Each exact process's save costs (`save_costs`) in a line, its host counters in another, and the worst
+    step that saves, first saves included: the figure held against issue #37's 3 s."""
     def seconds(values, sign="+"):
         return ", ".join(f"{v:{sign}.2f}" for v in values) + " s"
     lines = [f"  process {i + 1}, a checkpoint every {every} steps: a step that saves {seconds(c['saving'])} "
@@ -582,6 +603,12 @@ def save_lines(saves: list[dict], every: int) -> str:
              f"the end waited {c['end_wait']:.1f} s; page-locked memory made at the start in "
              f"{c['pinning']:.1f} s"
              for i, c in enumerate(saves)]
+    for i, c in enumerate(saves):
+        form = {name: ".2f" if name.endswith("_s") else ",.0f" for name in c["host"]}  # seconds, counts
+        counts = "; ".join(f"{name} {plain:{form[name]}} -> " + ", ".join(f"{n:{form[name]}}" for n in after)
+                           for name, (plain, after) in c["host"].items())
+        lines.append(f"  process {i + 1}, its stepping thread on the host (`host_counters`), a plain step's "
+                     f"median -> each step beneath a write: {counts}")
     worst, waited = max((extra, w) for c in saves for extra, w in zip(c["saving"], c["waited"]))
     # simple_rl.py's `save` says so from 1 s too
     why = (f" ({waited:.2f} s of it waiting for the previous write: this disk writes a checkpoint more "

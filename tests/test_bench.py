@@ -2,6 +2,7 @@
 the ratio line's word when the sides' spreads overlap, the decode table's ratios; the standard side's padded
 micro-batches and its push's names."""
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,12 +73,17 @@ def test_the_ratio_line_says_where_the_sides_spreads_overlap():
 def test_a_save_is_costed_against_the_steps_that_neither_save_nor_run_beneath_a_write():
     """A saving step costs its phases and what its save held training, over the process's median timed step
     (10.5 s here), a step beneath a write its phases over theirs (which phase the write slows); the report's
-    last line is the slowest saving step, the process's first save included."""
-    run = process((6.0, 4.0), (6.4, 4.2)) | {"pinning": 12.0, "saves": {
+    last line is the slowest saving step, the process's first save included. The stepping thread's host
+    counters of each step beneath a write stand beside their median over the plain steps."""
+    def host(system_s, waits):
+        return dict(user_s=2.0, system_s=system_s, waits=waits, preempted=3, page_faults=100, reclaimed=0)
+    run = process((6.0, 4.0), (6.4, 4.2)) | {"pinning": 12.0, "host": [host(0.1, 10), host(0.3, 30)], "saves": {
         "saving": [{"step": 10.6, "held": 1.5, "waited": 0.0}, {"step": 10.8, "held": 2.0, "waited": 1.5}],
         "beneath": [dict(generate=6.7, train=4.1, push=0.2), dict(generate=6.2, train=4.1, push=0.2)],
+        "beneath_host": [host(1.25, 5000), host(0.2, 20)],
         "writing": [True, False], "writes": [9.0, 9.5], "end_wait": 4.0, "bytes": 19_000_000_000}}
     cost = bench.save_costs(run)
+    assert cost["host"]["system_s"] == (pytest.approx(0.2), [1.25, 0.2]) and cost["host"]["waits"] == (20, [5000, 20])
     assert cost["saving"] == pytest.approx([1.6, 2.3]) and cost["beneath"] == pytest.approx([0.5, 0.0])
     assert cost["beneath_phases"]["generate"] == pytest.approx([0.5, 0.0])  # over the median 6.2 s
     assert cost["beneath_phases"]["train"] == pytest.approx([0.0, 0.0])
@@ -85,6 +91,9 @@ def test_a_save_is_costed_against_the_steps_that_neither_save_nor_run_beneath_a_
     lines = bench.save_lines([cost], 2).splitlines()
     assert "a step that saves +1.60, +2.30 s" in lines[0] and "waiting for the previous write 0.00, 1.50 s" in lines[0]
     assert "writes of 19.0 GB in 9.0, 9.5 s (2.11, 2.00 GB/s)" in lines[0]
+    assert lines[1] == ("  process 1, its stepping thread on the host (`host_counters`), a plain step's median -> "
+                        "each step beneath a write: user_s 2.00 -> 2.00, 2.00; system_s 0.20 -> 1.25, 0.20; waits 20 -> "
+                        "5,000, 20; preempted 3 -> 3, 3; page_faults 100 -> 100, 100; reclaimed 0 -> 0, 0")
     assert ("a step beneath a write +0.50, +0.00 s (generate +0.50, +0.00 s; train +0.00, +0.00 s; push +0.00, "
             "+0.00 s; the write still going at the end of 1 of them)") in lines[0]
     assert lines[-1] == ("  the slowest step that saves: +2.30 s over one that does not (1.50 s of it waiting for "
@@ -248,3 +257,14 @@ def test_the_sweep_takes_its_row_counts_or_sweeps_them_all(monkeypatch):
     for argv, rows in ((["--sweep", "128", "256"], [128, 256]), (["--sweep"], []), ([], None)):
         monkeypatch.setattr(bench.sys, "argv", ["bench.py", "--kernels", *argv])
         assert bench.parse_flags().sweep == rows
+
+
+def test_host_counters_see_the_thread_wait_and_touch_new_pages():
+    """The counters are this thread's: a sleep is a voluntary switch, a first touch of fresh memory faults."""
+    before = bench.host_counters()
+    time.sleep(0.01)
+    touched = bytearray(64 * 1024 * 1024)  # zeroed: every page written once
+    after = bench.host_counters()
+    assert after["waits"] > before["waits"] and after["page_faults"] - before["page_faults"] >= 1000
+    assert after.keys() == {"user_s", "system_s", "waits", "preempted", "page_faults", "reclaimed"}
+    del touched
