@@ -388,8 +388,9 @@ def test_matmul_tiles_fit_in_shared_memory_and_spread_over_the_sms():
                 assert {bm, bn} <= {16, 32, 64, 128, 256} and t["num_warps"] in (4, 8), (m, n, t)
                 # bf16 tiles of A and B, 64 deep, one per stage, and Triton's own scratch
                 assert (bm + bn) * 64 * 2 * stages + 32 * 1024 <= smem, (m, n, t)
-                if m <= 128:  # 64 rows for an output too narrow for 128-row tiles to fill half the SMs
-                    assert bm == max(16, 1 << (m - 1).bit_length()) or (m > 64 and bm == 64), (m, n, t)
+                if m <= 128:  # 64 rows where one row of 128 x 128 tiles would not fill half the SMs
+                    narrow = m > 64 and -(-n // 128) < sms // 2
+                    assert bm == (64 if narrow else max(16, 1 << (m - 1).bit_length())), (m, n, t)
                 if m <= 512 and bn > 16:
                     assert -(-m // bm) * -(-n // bn) >= sms // 2, (m, n, t)
 
