@@ -730,6 +730,7 @@ def script_run(gpus: int, model: Path, workdir: Path, args, flags=(), name: str 
     generated = statistics.mean(series["reward/completion_tokens_mean"]) * prompts * args.samples
     out["tokens_per_s"] = generated / out["step"]
     out["mismatched_tokens"] = [int(n) for n in series["parity/mismatched_tokens"]]
+    out["steps"] = {p: series[f"time/{p}"] for p in PHASES}  # each timed step's: the means hide a slow one
     out["host_peak_gib"] = usage.ru_maxrss / 2**20
     planned = [line for line in output.splitlines() if line.startswith("GPU memory planned")]
     out["planned"] = planned[0] if planned else None
@@ -814,8 +815,9 @@ def scaling_lines(runs: dict, n: int, args, device: str) -> str:
               f"(generate {r['strong_generate']:.2f}x, train {r['strong_train']:.2f}x)",
               f"  weak scaling ({n} GPUs, {n}x the prompts): throughput {r['weak']:.2f}x; "
               f"the sharded trainer's cost per token {r['train_per_token']:.2f}x one GPU's"]
-    lines += [f"  mismatched tokens per step, {label}: {run['mismatched_tokens']}"
-              for label, run in runs.items()]
+    for label, run in runs.items():
+        phases = "; ".join(f"{p} " + " ".join(f"{t:.2f}" for t in run["steps"][p]) for p in PHASES)
+        lines.append(f"  per step, {label}: {phases}; mismatched tokens {run['mismatched_tokens']}")
     return "\n".join(lines)
 
 

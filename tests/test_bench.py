@@ -105,7 +105,8 @@ def test_a_save_is_costed_against_the_steps_that_neither_save_nor_run_beneath_a_
 def test_scaling_reports_strong_and_weak_scaling_and_the_trainers_cost_per_token():
     def run(generate, train, tokens_per_s):
         return {"generate": generate, "train": train, "push": 0.2, "step": generate + train + 0.2,
-                "tokens_per_s": tokens_per_s, "peak_gib": [60.0], "mismatched_tokens": [0, 0]}
+                "tokens_per_s": tokens_per_s, "peak_gib": [60.0], "mismatched_tokens": [0, 0],
+                "steps": {"generate": [generate + 1, generate - 1], "train": [train] * 2, "push": [0.2] * 2}}
     runs = {"1 GPU": run(6.0, 4.0, 10_000), "2 GPUs": run(4.0, 2.2, 16_000), "2 GPUs, 2x": run(6.2, 4.4, 19_000)}
     ratios = bench.scaling_ratios(runs, 2)
     assert ratios["strong"] == pytest.approx(10.2 / 6.4) and ratios["strong_train"] == pytest.approx(4.0 / 2.2)
@@ -115,7 +116,8 @@ def test_scaling_reports_strong_and_weak_scaling_and_the_trainers_cost_per_token
     assert lines[-5] == "  strong scaling (2 GPUs, the same step): 1.59x (generate 1.50x, train 1.82x)"
     assert lines[-4] == ("  weak scaling (2 GPUs, 2x the prompts): throughput 1.90x; the sharded trainer's cost per "
                          "token 1.10x one GPU's")
-    assert lines[-1] == "  mismatched tokens per step, 2 GPUs, 2x: [0, 0]"
+    assert lines[-1] == ("  per step, 2 GPUs, 2x: generate 7.20 5.20; train 4.40 4.40; push 0.20 0.20; "
+                         "mismatched tokens [0, 0]")
 
 
 def test_the_profile_tables_rank_kernels_by_gpu_time():
