@@ -254,7 +254,8 @@ def host_counters() -> dict:
     """What this thread (the one that steps) spent and waited for on the host, and the machine's reclaim:
     where a step beneath a checkpoint write may lose its time. `waits`: voluntary context switches (a lock,
     the GIL, I/O); `preempted`: involuntary ones (another thread took the core); `reclaimed`: pages scanned
-    by direct reclaim (an allocation that waited for memory), machine-wide (Linux's /proc/vmstat)."""
+    by direct reclaim (an allocation that waited for memory), machine-wide (Linux's /proc/vmstat). CUDA's
+    synchronize spins: a step that waits longer for the GPU counts more `user_s` without more host work."""
     usage = resource.getrusage(resource.RUSAGE_THREAD)
     vmstat = Path("/proc/vmstat")
     counts = dict(line.split() for line in vmstat.read_text().splitlines()) if vmstat.exists() else {}
@@ -727,8 +728,8 @@ def script_run(gpus: int, model: Path, workdir: Path, args, flags=(), name: str 
     series = {tag: [e.value for e in events.Scalars(tag)][1: 1 + args.iters] for tag in tags}
     out = {p: statistics.mean(series[f"time/{p}"]) for p in PHASES}
     out["step"] = sum(out[p] for p in PHASES)
-    generated = statistics.mean(series["reward/completion_tokens_mean"]) * prompts * args.samples
-    out["tokens_per_s"] = generated / out["step"]
+    out["generated"] = statistics.mean(series["reward/completion_tokens_mean"]) * prompts * args.samples
+    out["tokens_per_s"] = out["generated"] / out["step"]
     out["mismatched_tokens"] = [int(n) for n in series["parity/mismatched_tokens"]]
     out["steps"] = {p: series[f"time/{p}"] for p in PHASES}  # each timed step's: the means hide a slow one
     out["host_peak_gib"] = usage.ru_maxrss / 2**20
@@ -795,8 +796,8 @@ def scaling_ratios(runs: dict, n: int) -> dict:
     one, strong, weak = runs["1 GPU"], runs[f"{n} GPUs"], runs[f"{n} GPUs, {n}x"]
     return {"strong": one["step"] / strong["step"], "strong_generate": one["generate"] / strong["generate"],
             "strong_train": one["train"] / strong["train"],
-            "weak": weak["tokens_per_s"] / one["tokens_per_s"],
-            "train_per_token": weak["train"] / one["train"]}
+            "weak": weak["tokens_per_s"] / one["tokens_per_s"],  # a rank's train seconds a token it sampled:
+            "train_per_token": (weak["train"] * n / weak["generated"]) / (one["train"] / one["generated"])}
 
 
 def scaling_lines(runs: dict, n: int, args, device: str) -> str:

@@ -1167,9 +1167,6 @@ class Checkpoints:
         import torch
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
-        # DCP writes each tensor with torch.save, whose CRC32 of every record took 60% of a write (1.7B shape,
-        # 24 GB: 19 s against 7.5 s, H200 host) and slowed the steps beneath it; torch.load never checks it.
-        torch.serialization.set_crc32_options(False)
         # Page cache only (syncing doubled the save time): a kill keeps every save, a power cut earlier ones.
         # Host tensors only: no copy ahead, so no CUDA stream in DCP's thread (on GPU 0, whatever the rank).
         self.writer = dcp.FileSystemWriter(args.run.output_dir, sync_files=False, per_thread_copy_ahead=0)
@@ -1181,6 +1178,10 @@ class Checkpoints:
         if not optimizer.masters[0].is_cuda:  # its state is written where it lies (`stage`): AdamW waits
             optimizer.optimizer.register_step_pre_hook(lambda *_: Checkpoints.end_write())  # no cycle to self
         if args.run.save_every >= 0:  # pinned memory is slow to make: now, not in the first save
+            # DCP writes each tensor with torch.save, whose CRC32 of every record took 60% of a write (1.7B
+            # shape, 24 GB: 19 s against 7.5 s, H200 host) and slowed the steps beneath it. Off for every
+            # later torch.save of the process (DCP's thread saves as training runs); torch.load never checks.
+            torch.serialization.set_crc32_options(False)
             self.stage({"state": training_state(optimizer, ref_model),
                         "weights": {name: self.stage(t) for name, t in hf_weights() if world.is_main}})
 

@@ -103,19 +103,22 @@ def test_a_save_is_costed_against_the_steps_that_neither_save_nor_run_beneath_a_
 
 
 def test_scaling_reports_strong_and_weak_scaling_and_the_trainers_cost_per_token():
-    def run(generate, train, tokens_per_s):
+    def run(generate, train, generated):  # sampled tokens a step (its ranks'), whose count the trainer's cost is per
         return {"generate": generate, "train": train, "push": 0.2, "step": generate + train + 0.2,
-                "tokens_per_s": tokens_per_s, "peak_gib": [60.0], "mismatched_tokens": [0, 0],
+                "tokens_per_s": generated / (generate + train + 0.2), "generated": generated,
+                "peak_gib": [60.0], "mismatched_tokens": [0, 0],
                 "steps": {"generate": [generate + 1, generate - 1], "train": [train] * 2, "push": [0.2] * 2}}
-    runs = {"1 GPU": run(6.0, 4.0, 10_000), "2 GPUs": run(4.0, 2.2, 16_000), "2 GPUs, 2x": run(6.2, 4.4, 19_000)}
+    runs = {"1 GPU": run(6.0, 4.0, 102_000), "2 GPUs": run(4.0, 2.2, 102_400), "2 GPUs, 2x": run(6.2, 4.4, 205_200)}
     ratios = bench.scaling_ratios(runs, 2)
     assert ratios["strong"] == pytest.approx(10.2 / 6.4) and ratios["strong_train"] == pytest.approx(4.0 / 2.2)
-    assert ratios["weak"] == pytest.approx(1.9) and ratios["train_per_token"] == pytest.approx(1.1)
+    assert ratios["weak"] == pytest.approx(1.9)  # 19,000 tokens/s against 10,000
+    # each rank's 102,600 tokens (not the one GPU's 102,000) in 4.4 s against 4.0
+    assert ratios["train_per_token"] == pytest.approx((4.4 / 102_600) / (4.0 / 102_000))
     args = SimpleNamespace(layers=None, shape="1.7b", prompts=32, samples=8, max_new_tokens=512, iters=3)
     lines = bench.scaling_lines(runs, 2, args, "H100").splitlines()
     assert lines[-5] == "  strong scaling (2 GPUs, the same step): 1.59x (generate 1.50x, train 1.82x)"
     assert lines[-4] == ("  weak scaling (2 GPUs, 2x the prompts): throughput 1.90x; the sharded trainer's cost per "
-                         "token 1.10x one GPU's")
+                         "token 1.09x one GPU's")
     assert lines[-1] == ("  per step, 2 GPUs, 2x: generate 7.20 5.20; train 4.40 4.40; push 0.20 0.20; "
                          "mismatched tokens [0, 0]")
 
@@ -267,6 +270,7 @@ def test_host_counters_see_the_thread_wait_and_touch_new_pages():
     time.sleep(0.01)
     touched = bytearray(64 * 1024 * 1024)  # zeroed: every page written once
     after = bench.host_counters()
-    assert after["waits"] > before["waits"] and after["page_faults"] - before["page_faults"] >= 1000
+    # 16,384 pages of 4 KiB, or 32 of 2 MiB where the kernel backs it with huge pages
+    assert after["waits"] > before["waits"] and after["page_faults"] - before["page_faults"] >= 16
     assert after.keys() == {"user_s", "system_s", "waits", "preempted", "page_faults", "reclaimed"}
     del touched

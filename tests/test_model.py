@@ -372,8 +372,8 @@ def test_matmul_tiles_fit_in_shared_memory_and_spread_over_the_sms():
     """The tiles tiled_linear picks (their bits are checked on the GPU) for every GEMM of every Qwen3 size,
     at 1 to 32k rows: a tile is a power of 2 of 16 to 256 on a side, its pipeline stages fit an H100 SM's
     shared memory (227 KB, of which Triton's kernel takes up to 32 KB besides the stages: measured by
-    compiling it), up to 128 rows it is the power of 2 that holds them (or 64 rows, for a narrow output),
-    and up to 512 rows its shape gives at least half of the SMs a tile whenever tiles as narrow as 16 columns
+    compiling it), up to 512 rows it is the power of 2 that holds them, at most 128 (64 for a narrow output),
+    and its shape gives at least half of the SMs a tile whenever tiles as narrow as 16 columns
     can."""
     from batch_invariant_backward import matmul_tiles, qwen3_gemms
     from test_gpu import QWEN3_SHAPES
@@ -388,9 +388,12 @@ def test_matmul_tiles_fit_in_shared_memory_and_spread_over_the_sms():
                 assert {bm, bn} <= {16, 32, 64, 128, 256} and t["num_warps"] in (4, 8), (m, n, t)
                 # bf16 tiles of A and B, 64 deep, one per stage, and Triton's own scratch
                 assert (bm + bn) * 64 * 2 * stages + 32 * 1024 <= smem, (m, n, t)
-                if m <= 128:  # 64 rows where one row of 128 x 128 tiles would not fill half the SMs
-                    narrow = m > 64 and -(-n // 128) < sms // 2
-                    assert bm == (64 if narrow else max(16, 1 << (m - 1).bit_length())), (m, n, t)
+                if m <= 512:  # the power of 2 that holds the rows (at most 128); 64 where the rows of
+                    # 128 x 128 tiles would not fill half the SMs (and 128 x 256 tiles would not either)
+                    power = min(128, max(16, 1 << (m - 1).bit_length()))
+                    wide = power == 128 and -(-m // 128) * -(-n // 256) >= sms // 2
+                    narrow = power == 128 and not wide and -(-m // 128) * -(-n // 128) < sms // 2
+                    assert bm == (64 if narrow else power), (m, n, t)
                 if m <= 512 and bn > 16:
                     assert -(-m // bm) * -(-n // bn) >= sms // 2, (m, n, t)
 
