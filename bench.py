@@ -794,9 +794,9 @@ def scaling_ratios(runs: dict, n: int) -> dict:
     """Strong scaling (the same step on n GPUs), weak (n times the step on n), the trainer's cost per
     token."""
     one, strong, weak = runs["1 GPU"], runs[f"{n} GPUs"], runs[f"{n} GPUs, {n}x"]
+    # The trainer's cost per token: a rank's train seconds over the tokens it sampled, against one GPU's.
     return {"strong": one["step"] / strong["step"], "strong_generate": one["generate"] / strong["generate"],
-            "strong_train": one["train"] / strong["train"],
-            "weak": weak["tokens_per_s"] / one["tokens_per_s"],  # a rank's train seconds a token it sampled:
+            "strong_train": one["train"] / strong["train"], "weak": weak["tokens_per_s"] / one["tokens_per_s"],
             "train_per_token": (weak["train"] * n / weak["generated"]) / (one["train"] / one["generated"])}
 
 

@@ -103,7 +103,7 @@ def test_a_save_is_costed_against_the_steps_that_neither_save_nor_run_beneath_a_
 
 
 def test_scaling_reports_strong_and_weak_scaling_and_the_trainers_cost_per_token():
-    def run(generate, train, generated):  # sampled tokens a step (its ranks'), whose count the trainer's cost is per
+    def run(generate, train, generated):  # `generated`: the tokens a step sampled, on all its ranks
         return {"generate": generate, "train": train, "push": 0.2, "step": generate + train + 0.2,
                 "tokens_per_s": generated / (generate + train + 0.2), "generated": generated,
                 "peak_gib": [60.0], "mismatched_tokens": [0, 0],
