@@ -373,8 +373,7 @@ def test_matmul_tiles_fit_in_shared_memory_and_spread_over_the_sms():
     at 1 to 32k rows: a tile is a power of 2 of 16 to 256 on a side, its pipeline stages fit an H100 SM's
     shared memory (227 KB, of which Triton's kernel takes up to 32 KB besides the stages: measured by
     compiling it), up to 512 rows it is the power of 2 that holds them, at most 128 (64 for a narrow output),
-    and its shape gives at least half of the SMs a tile whenever tiles as narrow as 16 columns
-    can."""
+    and its shape gives at least half of the SMs a tile whenever tiles as narrow as 16 columns can."""
     from batch_invariant_backward import matmul_tiles, qwen3_gemms
     from test_gpu import QWEN3_SHAPES
 
