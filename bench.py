@@ -507,18 +507,27 @@ SCRIPT_PARTS = {"vLLM sleeps": ("VLLMEngine", "sleep"), "reference logprobs": (N
 
 def profiled_script(step: int, argv: list[str]) -> None:
     """simple_rl.py run by its command line `argv` (under torchrun too), its step `step`'s train and push
-    phases under torch.profiler: each rank writes runs/<run>/profile_rank<r>.txt (`profile_lines`) and
-    trace_rank<r>.json.gz (a timeline for Perfetto)."""
-    size = plumbing.torchrun_rank_and_size()[1]
+    phases under torch.profiler: each rank writes runs/<run>/profile_rank<r>.txt (`profile_lines`, and each
+    step's cudaMalloc calls and retries) and trace_rank<r>.json.gz (a timeline for Perfetto)."""
+    rank, size = plumbing.torchrun_rank_and_size()
     args = plumbing.check_args(plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, argv), size)
     files = plumbing.read_files(args, simple_rl.ANSWER_AFTER_HASHES)
     parts = {name: (simple_rl if owner is None else getattr(simple_rl, owner) if isinstance(owner, str)
                     else owner, attribute) for name, (owner, attribute) in SCRIPT_PARTS.items()}
-    grpo_step = simple_rl.grpo_step
+    grpo_step, allocator = simple_rl.grpo_step, []  # each step's cudaMalloc calls, and retries
+
+    def counted_step(i: int, *step_args, **named):
+        # A retry: PyTorch's allocator found no memory, freed its cache (a device sync) and allocated again.
+        before = torch.cuda.memory_stats()
+        out = (profiled_step if i == step else grpo_step)(i, *step_args, **named)
+        after, keys = torch.cuda.memory_stats(), ("num_device_alloc", "num_alloc_retries")
+        allocator.append("/".join(str(after.get(k, 0) - before.get(k, 0)) for k in keys))
+        if i == step:
+            with open(Path("runs") / args.run.run_name / f"profile_rank{rank}.txt", "a") as f:
+                f.write(f"PyTorch's allocator, each step: cudaMalloc calls / retries {' '.join(allocator)}\n")
+        return out
 
     def profiled_step(i: int, sample, *rest, **named):
-        if i != step:
-            return grpo_step(i, sample, *rest, **named)
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
         def sampled():  # generation is not profiled
@@ -532,12 +541,12 @@ def profiled_script(step: int, argv: list[str]) -> None:
             rollouts, scalars = grpo_step(i, sampled, *rest, **named)
             torch.cuda.synchronize()
             prof.__exit__(None, None, None)
-        rank, run = plumbing.torchrun_rank_and_size()[0], Path("runs") / args.run.run_name
+        run = Path("runs") / args.run.run_name
         wall = f"{scalars['time/train']:.2f} + {scalars['time/push']:.2f} s wall, rank {rank} of {size}"
         (run / f"profile_rank{rank}.txt").write_text(profile_lines(prof, parts, wall) + "\n")
         prof.export_chrome_trace(str(run / f"trace_rank{rank}.json.gz"))
         return rollouts, scalars
-    simple_rl.grpo_step = profiled_step  # grpo() calls it by this name
+    simple_rl.grpo_step = counted_step  # grpo() calls it by this name
     simple_rl.run_as_script(args, files=files)
 
 

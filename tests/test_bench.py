@@ -228,7 +228,8 @@ def test_fits_writes_each_shape_with_the_layers_asked_for(monkeypatch, tmp_path)
 
 def test_a_profiled_script_run_writes_its_steps_profile(tmp_path, monkeypatch):
     """`bench.py --gpus N --profile` runs the script through `profiled_script`: the script's own run (here on the
-    CPU, a stand-in for vLLM), its step 1's train and push phases profiled, the parts named, steps 0 and 2 not."""
+    CPU, a stand-in for vLLM), its step 1's train and push phases profiled, the parts named, steps 0 and 2 not;
+    the allocator's counts of steps 0 and 1 (none on the CPU)."""
     import simple_rl
     from conftest import gsm8k_jsonl, write_gsm8k_model
     from test_rl import TrainerAsSampler
@@ -253,6 +254,7 @@ def test_a_profiled_script_run_writes_its_steps_profile(tmp_path, monkeypatch):
     text = (tmp_path / "runs" / "prof" / "profile_rank0.txt").read_text()
     assert {"micro-batches", "forwards", "parity", "optimizer step", "gather the step", "checksums"} <= set(
         text.splitlines()[1:]), text
+    assert text.splitlines()[-1] == "PyTorch's allocator, each step: cudaMalloc calls / retries 0/0 0/0", text
     assert (tmp_path / "runs" / "prof" / "trace_rank0.json.gz").stat().st_size > 0
 
 
