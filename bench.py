@@ -507,24 +507,37 @@ SCRIPT_PARTS = {"vLLM sleeps": ("VLLMEngine", "sleep"), "reference logprobs": (N
 
 def profiled_script(step: int, argv: list[str]) -> None:
     """simple_rl.py run by its command line `argv` (under torchrun too), its step `step`'s train and push
-    phases under torch.profiler: each rank writes runs/<run>/profile_rank<r>.txt (`profile_lines`, and each
-    step's cudaMalloc calls and retries) and trace_rank<r>.json.gz (a timeline for Perfetto)."""
+    phases under torch.profiler: each rank writes runs/<run>/profile_rank<r>.txt (`profile_lines`; each step's
+    cudaMalloc calls and retries, and its seconds in Python's garbage collector) and trace_rank<r>.json.gz (a
+    timeline for Perfetto)."""
     rank, size = plumbing.torchrun_rank_and_size()
     args = plumbing.check_args(plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, argv), size)
     files = plumbing.read_files(args, simple_rl.ANSWER_AFTER_HASHES)
     parts = {name: (simple_rl if owner is None else getattr(simple_rl, owner) if isinstance(owner, str)
                     else owner, attribute) for name, (owner, attribute) in SCRIPT_PARTS.items()}
-    grpo_step, allocator = simple_rl.grpo_step, []  # each step's cudaMalloc calls, and retries
+    grpo_step, allocator, collector = simple_rl.grpo_step, [], []  # each step's counts
+    collecting = {"since": 0.0, "seconds": 0.0, "full": 0}
+
+    def timed_collection(phase: str, info: dict) -> None:  # Python's collector calls it around a collection
+        if phase == "start":
+            collecting["since"] = time.perf_counter()
+        else:
+            collecting["seconds"] += time.perf_counter() - collecting["since"]
+            collecting["full"] += info["generation"] == 2
+    gc.callbacks.append(timed_collection)
 
     def counted_step(i: int, *step_args, **named):
         # A retry: PyTorch's allocator found no memory, freed its cache (a device sync) and allocated again.
-        before = torch.cuda.memory_stats()
+        # A collection stops this rank alone: under torchrun the others wait for it at the next collective.
+        before, collecting["seconds"], collecting["full"] = torch.cuda.memory_stats(), 0.0, 0
         out = (profiled_step if i == step else grpo_step)(i, *step_args, **named)
         after, keys = torch.cuda.memory_stats(), ("num_device_alloc", "num_alloc_retries")
         allocator.append("/".join(str(after.get(k, 0) - before.get(k, 0)) for k in keys))
+        collector.append(f"{collecting['seconds']:.3f} ({collecting['full']})")
         if i == step:
             with open(Path("runs") / args.run.run_name / f"profile_rank{rank}.txt", "a") as f:
-                f.write(f"PyTorch's allocator, each step: cudaMalloc calls / retries {' '.join(allocator)}\n")
+                f.write(f"PyTorch's allocator, each step: cudaMalloc calls / retries {' '.join(allocator)}\n"
+                        f"Python's garbage collector, each step: seconds (full collections) {', '.join(collector)}\n")
         return out
 
     def profiled_step(i: int, sample, *rest, **named):
@@ -547,7 +560,10 @@ def profiled_script(step: int, argv: list[str]) -> None:
         prof.export_chrome_trace(str(run / f"trace_rank{rank}.json.gz"))
         return rollouts, scalars
     simple_rl.grpo_step = counted_step  # grpo() calls it by this name
-    simple_rl.run_as_script(args, files=files)
+    try:
+        simple_rl.run_as_script(args, files=files)
+    finally:
+        gc.callbacks.remove(timed_collection)
 
 
 @contextmanager
