@@ -513,6 +513,7 @@ def profiled_script(step: int, argv: list[str]) -> None:
     rank, size = plumbing.torchrun_rank_and_size()
     args = plumbing.check_args(plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, argv), size)
     files = plumbing.read_files(args, simple_rl.ANSWER_AFTER_HASHES)
+    run = Path("runs") / args.run.run_name  # bench names the run (--run-name): one folder for every rank
     parts = {name: (simple_rl if owner is None else getattr(simple_rl, owner) if isinstance(owner, str)
                     else owner, attribute) for name, (owner, attribute) in SCRIPT_PARTS.items()}
     grpo_step, allocator, collector = simple_rl.grpo_step, [], []  # each step's counts
@@ -535,7 +536,7 @@ def profiled_script(step: int, argv: list[str]) -> None:
         allocator.append("/".join(str(after.get(k, 0) - before.get(k, 0)) for k in keys))
         collector.append(f"{collecting['seconds']:.3f} ({collecting['full']})")
         if i == step:
-            with open(Path("runs") / args.run.run_name / f"profile_rank{rank}.txt", "a") as f:
+            with open(run / f"profile_rank{rank}.txt", "a") as f:
                 f.write(f"PyTorch's allocator, each step: cudaMalloc calls / retries {' '.join(allocator)}\n"
                         f"Python's garbage collector, each step: seconds (full collections) {', '.join(collector)}\n")
         return out
@@ -554,7 +555,6 @@ def profiled_script(step: int, argv: list[str]) -> None:
             rollouts, scalars = grpo_step(i, sampled, *rest, **named)
             torch.cuda.synchronize()
             prof.__exit__(None, None, None)
-        run = Path("runs") / args.run.run_name
         wall = f"{scalars['time/train']:.2f} + {scalars['time/push']:.2f} s wall, rank {rank} of {size}"
         (run / f"profile_rank{rank}.txt").write_text(profile_lines(prof, parts, wall) + "\n")
         prof.export_chrome_trace(str(run / f"trace_rank{rank}.json.gz"))
