@@ -538,7 +538,8 @@ def profiled_script(step: int, argv: list[str]) -> None:
         if i == step:
             with open(run / f"profile_rank{rank}.txt", "a") as f:
                 f.write(f"PyTorch's allocator, each step: cudaMalloc calls / retries {' '.join(allocator)}\n"
-                        f"Python's garbage collector, each step: seconds (full collections) {', '.join(collector)}\n")
+                        "Python's garbage collector, each step: seconds (full collections) "
+                        f"{', '.join(collector)}\n")
         return out
 
     def profiled_step(i: int, sample, *rest, **named):
