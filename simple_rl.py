@@ -34,6 +34,7 @@ import os
 import random
 import re
 import sys
+import weakref
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -778,53 +779,52 @@ def lr_at(step: int, cfg: Optimizer) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-# The fp32 state's host copies (--offload-optimizer).
-def to_host(t: torch.Tensor, wait: bool = True) -> torch.Tensor:
-    """Into pinned memory, reused from copy to copy (fresh pageable memory copied at 1.3 GB/s on an H100).
-    wait=False: the copy is queued on the stream; synchronize before reading it."""
-    if t.is_cuda:
-        t = t.to("cpu", non_blocking=True)  # non_blocking: into PyTorch's cache of pinned host memory
-        if wait:
-            torch.cuda.current_stream().synchronize()
-    return t
-
-
-def to_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Onto `like`'s GPU in its dtype: rounded into pinned memory (one pass), queued (pageable blocks)."""
-    if t.device == like.device:
-        return t.to(like.dtype)
-    staged = torch.empty(t.shape, dtype=like.dtype, pin_memory=True).copy_(t)
-    return staged.to(like.device, non_blocking=True)
-
-
-def adamw_on_host(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], grads: list[torch.Tensor]):
-    """Offload (`MasterWeights`): each master after its AdamW step on the CPU; the next gradient is copied
-    meanwhile."""
-    pending = to_host(grads[0], wait=False)
-    for i, master in enumerate(masters):
-        if pending.is_pinned():
-            torch.cuda.current_stream().synchronize()  # gradient i has arrived
-        master.grad, pending = pending, to_host(grads[i + 1], wait=False) if i + 1 < len(grads) else None
-        grads[i] = None
+def adamw_on_host(optimizer: torch.optim.Optimizer, masters: list, grads: list, weights: list[torch.Tensor]):
+    """AdamW on the CPU a parameter at a time, yielding each new master rounded on its weight's GPU. Gradients
+    come down and masters go up on streams of their own: the CPU waits only for the gradient it steps next."""
+    compute, down, up = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    down.wait_stream(compute)  # the clipped gradients
+    def fetch(i: int) -> tuple[torch.Tensor, torch.cuda.Event]:  # into PyTorch's cache of pinned host memory
+        with torch.cuda.stream(down):
+            return grads[i].to("cpu", non_blocking=True), down.record_event()
+    pending = fetch(0)
+    for i, (master, weight) in enumerate(zip(masters, weights)):
+        (master.grad, arrived), grads[i] = pending, None  # views of one GPU allocation, freed with the last
+        arrived.synchronize()
+        pending = fetch(i + 1) if i + 1 < len(grads) else None
         optimizer.step()  # only this master has a gradient
         master.grad = None
-        yield master
+        with torch.cuda.stream(up):
+            wide = master.to(weight.device, non_blocking=True)
+        compute.wait_stream(up)
+        wide.record_stream(compute)  # up's memory: not reused before the compute stream has read it
+        yield wide.to(weight.dtype)
+
+
+def host_masters(owner, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 copies of `shards` in one host allocation, page-locked on a GPU while `owner` lives: each copy up
+    then runs while AdamW steps the next (PyTorch's pinned memory would round 33 GB, the 8B's, up to 64)."""
+    flat = torch.empty(sum(shard.numel() for shard in shards), dtype=torch.float32)
+    if shards[0].is_cuda:
+        if error := int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.nbytes, 0)):
+            raise RuntimeError(f"cudaHostRegister of the fp32 masters failed: CUDA error {error}")
+        weakref.finalize(owner, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr())
+    return [m.view(s.shape).copy_(s) for m, s in zip(flat.split([s.numel() for s in shards]), shards)]
 
 
 class MasterWeights:
-    """AdamW on fp32 masters of this rank's bf16 parameters (its FSDP2 shards); their bf16 rounding is what
-    the trainer and vLLM run. A step's gradients are summed in fp32 on each parameter (`main_grad`, as in
-    Megatron-LM) as each is made (one GPU: by the matmul or embedding kernel making it): never all at once.
-    With `offload`, the masters and AdamW's moments (12 bytes a parameter) live in host memory and AdamW
-    steps on the CPU, one parameter at a time: only its gradient (4 bytes a parameter) and its new bf16
-    weight (2) cross PCIe. The CPU's arithmetic rounds otherwise than the GPU's: another run, as exact."""
+    """AdamW on fp32 masters of this rank's bf16 parameters (FSDP2 shards), whose bf16 rounding the trainer
+    and vLLM run. A step's gradients are summed in fp32 on each parameter (`main_grad`, as in Megatron-LM) as
+    each is made (one GPU: by its kernel), never all at once. `offload`: the masters and AdamW's moments (12
+    bytes a parameter) on the host, AdamW on its CPU (`adamw_on_host`): another run, as exact."""
 
     def __init__(self, model: Qwen3, lr: float, weight_decay: float, offload: bool = False):
         self.named, self.offload = list(model.named_parameters()), offload
         if torch.cuda.is_available():  # the state lives as long as the run: in segments of its own, so that
             torch.cuda.empty_cache()  # what training frees between steps can go back to vLLM
-        self.masters = [local_part(p).detach().to("cpu" if offload else p.device, torch.float32, copy=True)
-                        for _, p in self.named]
+        shards = [local_part(p).detach() for _, p in self.named]
+        self.masters = (host_masters(self, shards) if offload
+                        else [shard.to(torch.float32, copy=True) for shard in shards])
         # fused: one pass over a parameter's state, not one per operation
         self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay, fused=True)
         for master in self.masters:  # AdamW's state, made now as its first (fused) step would make it
@@ -871,18 +871,18 @@ class MasterWeights:
         scale = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)  # as clip_grads_with_norm_ computes it
         torch._foreach_mul_(grads, scale)
         self.optimizer.param_groups[0]["lr"] = lr  # one group
-        if self.offload:
-            masters = adamw_on_host(self.optimizer, self.masters, grads)
+        olds = [local_part(p) for _, p in self.named]
+        if self.offload and olds[0].is_cuda:  # (a CPU-run trainer's masters are where its weights are)
+            news = adamw_on_host(self.optimizer, self.masters, grads, olds)
         else:
             for master, grad in zip(self.masters, grads):
                 master.grad = grad
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)  # the fp32 gradients free their memory until next step
-            masters = iter(self.masters)
+            news = (master.to(old.dtype) for master, old in zip(self.masters, olds))
         del grads
         changes = {}
-        for (name, p), master in zip(self.named, masters):
-            new, old = to_device(master, p), local_part(p)
+        for (name, _), new, old in zip(self.named, news, olds):
             changes[name] = torch.stack([(new.float() - old.float()).pow(2).sum(), old.float().pow(2).sum()])
             old.copy_(new)
         return float(norm), changes

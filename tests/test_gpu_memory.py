@@ -54,7 +54,8 @@ def test_a_micro_batch_allocates_no_more_than_planned(checkpointing):
 
 def test_an_offloaded_step_makes_the_gpus_update():
     """Both optimizers step the same 4-block model with the same gradients: the new bf16 weights are the GPU
-    step's to within one bf16 rounding (the masters part in their last fp32 bits), and the deltas agree."""
+    step's to within one bf16 rounding (the masters part in their last fp32 bits), and the deltas agree;
+    the offloaded weights are their page-locked masters' rounding, bit for bit."""
     models = [random_model(layers=4) for _ in range(2)]
     optimizers = [simple_rl.MasterWeights(m, 1e-3, 0.01, offload=offload) for m, offload in zip(models, (0, 1))]
     assert optimizers[1].masters[0].device.type == "cpu"
@@ -74,3 +75,5 @@ def test_an_offloaded_step_makes_the_gpus_update():
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-6)
     for name in changes_gpu:
         torch.testing.assert_close(changes_host[name], changes_gpu[name], rtol=1e-2, atol=0)
+    # what came up (on its own stream, as AdamW stepped the next) is each host master's bf16 rounding
+    assert all(torch.equal(p.cpu(), m.bfloat16()) for p, m in zip(models[1].parameters(), optimizers[1].masters))
