@@ -789,8 +789,8 @@ def adamw_on_host(optimizer: torch.optim.Optimizer, masters: list, grads: list, 
             return grads[i].to("cpu", non_blocking=True), down.record_event()
     pending = fetch(0)
     for i, (master, weight) in enumerate(zip(masters, weights)):
-        (master.grad, arrived), grads[i] = pending, None  # views of one GPU allocation, freed with the last
-        arrived.synchronize()
+        pending[1].synchronize()  # gradient i is down: its GPU memory (a view of the sums) may go
+        (master.grad, _), grads[i] = pending, None
         pending = fetch(i + 1) if i + 1 < len(grads) else None
         optimizer.step()  # only this master has a gradient
         master.grad = None
