@@ -840,9 +840,9 @@ def memory_plan(shape: ModelShape, args, gpus: int, gpu_bytes: int, keep_gathere
         "training": context | beside | state | fsdp | grads | {
             "activations, bf16 gradients": micro_batch,
             "PyTorch's cache": CACHED_WHILE_TRAINING * micro_batch + CACHED_BESIDE_GRADIENTS * 4 * shard},
-        # fused AdamW: no temporary; offloaded, beside the sums: a weight's master come up (4 bytes a value),
-        # its bf16 rounding (2) and the copies that measure its change (12)
-        "the optimizer step": context | beside | state | grads | {"fp32 copies": 18 * embedding * offloaded},
+        # fused AdamW: no temporary; offloaded, beside the sums: two weights' masters come up (4 bytes a value
+        # each), a bf16 rounding (2) and the copies that measure its change (12)
+        "the optimizer step": context | beside | state | grads | {"fp32 copies": 22 * embedding * offloaded},
     }
 
 

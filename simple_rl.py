@@ -779,10 +779,10 @@ def lr_at(step: int, cfg: Optimizer) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def adamw_on_host(optimizer: torch.optim.Optimizer, masters: list, grads: list, weights: list[torch.Tensor]):
-    """AdamW on the CPU a parameter at a time, yielding each new master rounded on its weight's GPU. Gradients
-    come down and masters go up on streams of their own: the CPU waits only for the gradient it steps next."""
-    compute, down, up = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+def adamw_on_host(optimizer: torch.optim.AdamW, masters: list, grads: list, weights: list, streams: tuple):
+    """AdamW on the CPU a parameter at a time; yields each master rounded on its weight's GPU. Gradients come
+    down and masters go up on `streams` (made once: memory is cached per stream) as AdamW runs."""
+    compute, (down, up) = torch.cuda.current_stream(), streams
     down.wait_stream(compute)  # the clipped gradients
     def fetch(i: int) -> tuple[torch.Tensor, torch.cuda.Event]:  # into PyTorch's cache of pinned host memory
         with torch.cuda.stream(down):
@@ -802,14 +802,14 @@ def adamw_on_host(optimizer: torch.optim.Optimizer, masters: list, grads: list, 
 
 
 def host_masters(owner, shards: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 copies of `shards` in one host allocation, page-locked on a GPU while `owner` lives: each copy up
-    then runs while AdamW steps the next (PyTorch's pinned memory would round 33 GB, the 8B's, up to 64)."""
-    flat = torch.empty(sum(shard.numel() for shard in shards), dtype=torch.float32)
-    if shards[0].is_cuda:
-        if error := int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.nbytes, 0)):
+    """fp32 copies of `shards` in one host allocation, page-locked on a GPU while `owner` lives (PyTorch's
+    pinned memory would round 33 GB up to 64), each its own storage (DCP copies a view to save it)."""
+    flat = torch.empty(sum(sizes := [shard.numel() for shard in shards]), dtype=torch.float32)
+    if shards[0].is_cuda:  # portable (1): pinned for every device's context
+        if error := int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.nbytes, 1)):
             raise RuntimeError(f"cudaHostRegister of the fp32 masters failed: CUDA error {error}")
         weakref.finalize(owner, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr())
-    return [m.view(s.shape).copy_(s) for m, s in zip(flat.split([s.numel() for s in shards]), shards)]
+    return [torch.from_numpy(p.numpy()).view(s.shape).copy_(s) for p, s in zip(flat.split(sizes), shards)]
 
 
 class MasterWeights:
@@ -819,15 +819,15 @@ class MasterWeights:
     bytes a parameter) on the host, AdamW on its CPU (`adamw_on_host`): another run, as exact."""
 
     def __init__(self, model: Qwen3, lr: float, weight_decay: float, offload: bool = False):
-        self.named, self.offload = list(model.named_parameters()), offload
+        self.named = list(model.named_parameters())
         if torch.cuda.is_available():  # the state lives as long as the run: in segments of its own, so that
             torch.cuda.empty_cache()  # what training frees between steps can go back to vLLM
         shards = [local_part(p).detach() for _, p in self.named]
         self.masters = (host_masters(self, shards) if offload
                         else [shard.to(torch.float32, copy=True) for shard in shards])
-        # fused: one pass over a parameter's state, not one per operation
+        self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if offload and shards[0].is_cuda else None
         self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay, fused=True)
-        for master in self.masters:  # AdamW's state, made now as its first (fused) step would make it
+        for master in self.masters:  # its state, made now as its first step would (fused: one pass over it)
             self.optimizer.state[master] = {"step": master.new_zeros(()), "exp_avg": torch.zeros_like(master),
                                             "exp_avg_sq": torch.zeros_like(master)}
         self.ends = list(itertools.accumulate(-(-local_part(p).numel() // 128) * 128 for _, p in self.named))
@@ -872,8 +872,8 @@ class MasterWeights:
         torch._foreach_mul_(grads, scale)
         self.optimizer.param_groups[0]["lr"] = lr  # one group
         olds = [local_part(p) for _, p in self.named]
-        if self.offload and olds[0].is_cuda:  # (a CPU-run trainer's masters are where its weights are)
-            news = adamw_on_host(self.optimizer, self.masters, grads, olds)
+        if self.streams:  # offloaded from a GPU (a CPU-run trainer's masters are where its weights are)
+            news = adamw_on_host(self.optimizer, self.masters, grads, olds, self.streams)
         else:
             for master, grad in zip(self.masters, grads):
                 master.grad = grad
