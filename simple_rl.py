@@ -279,11 +279,6 @@ class World:
             dist.barrier()
 
 
-def rollout_seeds(seed: int, step: int, n: int) -> list[int]:
-    """One sampling seed per request, unique over the run: completions depend on nothing else."""
-    return [seed * 1_000_000_000 + step * n + j for j in range(n)]
-
-
 # ===== Model: Qwen3 on vLLM's kernels, over packed sequences =====
 @dataclass
 class PackedBatch:
@@ -632,7 +627,7 @@ class VLLMEngine:
     """vLLM in this process, on this GPU, token ids in and out; it knows the checksum of what it serves."""
 
     def __init__(self, model_dir: Path, gpu_memory_utilization: float, max_model_len: int, seed: int,
-                 cuda_graphs: bool = True, sleep_mode: bool = True, max_num_seqs: int = 256,
+                 cuda_graphs: bool = True, sleep_mode: bool = True,
                  return_routed_experts: bool = False, **vllm_args):
         self.exact = os.environ.get("VLLM_BATCH_INVARIANT") == "1"  # then V2's runner: less host work a step
         os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER=str(int(self.exact)))
@@ -646,9 +641,9 @@ class VLLMEngine:
             enable_prefix_caching=False, enable_sleep_mode=sleep_mode,  # the weights change every step
             logprobs_mode="processed_logprobs",  # of the distribution sampled from: after T, top-k/p
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3}, max_num_seqs=max_num_seqs,
+            attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3}, max_num_seqs=256,
             enable_return_routed_experts=return_routed_experts,  # a mixture of experts' choices, each token's
-            **graphs, **vllm_args,  # more vllm.LLM arguments (tests give a second engine a fixed KV cache)
+            **graphs, **vllm_args,  # more of vllm.LLM's: main's torchrun launcher, tests' fixed KV cache
         )  # fmt: skip
         self.served_checksum, self.sleep_mode = self.weights_checksum(), sleep_mode
         self.return_routed_experts, self.routed_experts = return_routed_experts, None  # the last generate's
@@ -891,12 +886,17 @@ class MasterWeights:
 @dataclass
 class Rollouts:
     """G samples of each of P prompts, sample j of prompt i at index i * G + j."""
-    prompts: list[list[int]]
+    prompts: list[list[int]]  # (P * G,): each sample's prompt
     completions: list[list[int]]
     vllm_logprobs: list[torch.Tensor]  # (len(completion),) fp32 each
     rewards: torch.Tensor  # (P * G,)
     advantages: torch.Tensor  # (P * G,)
     sampler_experts: list[torch.Tensor] | None = None  # a mixture of experts' choices in vLLM, if returned
+
+
+def rollout_seeds(seed: int, step: int, n: int) -> list[int]:
+    """One sampling seed per request, unique over the run: completions depend on nothing else."""
+    return [seed * 1_000_000_000 + step * n + j for j in range(n)]
 
 
 def rollout(engine, tokenizer, rows: list[dict], args: Args, step: int, stop_ids,
@@ -962,8 +962,8 @@ def reduce_gradients_after(model: Qwen3, i: int, count: int) -> None:
 
 def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts, ref_logprobs, args: Args,
                       world: World = World()):
-    """Forward + backward in micro-batches. Returns the loss terms' per-token means and the logprobs per
-    sample, which parity checks against vLLM (no extra forward)."""
+    """Forward + backward in micro-batches. Returns the step's scalars (loss terms' per-token means, ESS,
+    routing) and the logprobs per sample, which parity checks against vLLM (no extra forward)."""
     device, s, budget = model.device, args.sampling, args.engine.max_tokens_per_microbatch
     n_tokens = int(world.sum(torch.tensor(sum(len(c) for c in rollouts.completions), device=device)))
     sums, logprobs, routings = [], [], []  # per micro-batch, kept on the GPU
@@ -974,13 +974,13 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     per_token = [(rollouts.advantages[idx].repeat_interleave(torch.tensor(batch.completion_lens)).to(device),
                   torch.cat([rollouts.vllm_logprobs[i] for i in idx]).to(device)) for idx, batch in batches]
     try:
-        for i, ((idx, batch), (advantages, sampler)) in enumerate(zip(batches, per_token)):
+        for i, ((idx, batch), (advantages, sampler_logprobs)) in enumerate(zip(batches, per_token)):
             reduce_gradients_after(model, i, len(batches))  # several GPUs: once a step, if it fits
             policy = model(batch, s.temperature, s.top_k, s.top_p)
             if experts is not None:
                 routings.append(expert_set_differences(model, batch, [experts[j] for j in idx]))
-            ref = None if ref_logprobs is None else torch.cat([ref_logprobs[i] for i in idx])
-            loss, terms = grpo_loss(policy, sampler, advantages, lengths=batch.completion_lens,
+            ref = None if ref_logprobs is None else torch.cat([ref_logprobs[j] for j in idx])
+            loss, terms = grpo_loss(policy, sampler_logprobs, advantages, lengths=batch.completion_lens,
                                     ref_logprobs=ref, n_tokens=n_tokens, cfg=args.loss)
             loss.backward()
             optimizer.accumulate_grads()
@@ -1005,7 +1005,7 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
 
 def sft_step(model: Qwen3, optimizer: MasterWeights, rows: list[dict], args: Args,
              world: World = World()) -> float:
-    """One SFT warm-start step on the reference answers (GRPO's forward). Returns the mean token loss."""
+    """One SFT warm-start step on the reference answers (the policy at T = 1). Returns the mean token loss."""
     rows = rows[world.share(len(rows))]
     prompts, answers = [r["prompt_ids"] for r in rows], [r["answer_ids"] for r in rows]
     n_tokens = int(world.sum(torch.tensor(sum(len(a) for a in answers))))
@@ -1050,7 +1050,7 @@ def mismatch_by_probability(v: torch.Tensor, t: torch.Tensor) -> dict:
 
 Mismatch = NamedTuple("Mismatch", [("message", str), ("sample", int), ("token", int)])
 def compare_bits(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch.Tensor],
-                 tokens: list[list[int]], world: World = World()) -> tuple[dict, Mismatch | None]:
+                 completions: list[list[int]], world: World = World()) -> tuple[dict, Mismatch | None]:
     """Compare logprobs by fp32 bits. Returns metrics and the first Mismatch, or None."""
     v, t = torch.cat(vllm_logprobs), torch.cat(trainer_logprobs)
     differ = v.view(torch.int32) != t.view(torch.int32)
@@ -1066,8 +1066,8 @@ def compare_bits(vllm_logprobs: list[torch.Tensor], trainer_logprobs: list[torch
     ends = torch.tensor([len(x) for x in vllm_logprobs]).cumsum(0)
     sample = int((ends <= flat).sum())
     token = flat - (int(ends[sample - 1]) if sample else 0)
-    where = f" (sampled on rank {sample * world.size // len(tokens)})" if world.size > 1 else ""
-    message = (f"sample {sample}{where} token {token} (id {tokens[sample][token]}): vLLM logprob "
+    where = f" (sampled on rank {sample * world.size // len(completions)})" if world.size > 1 else ""
+    message = (f"sample {sample}{where} token {token} (id {completions[sample][token]}): vLLM logprob "
                f"{float(v[flat])!r} but trainer {float(t[flat])!r}; {mismatched} of {len(v)} tokens differ")
     return metrics, Mismatch(message, sample, token)
 
