@@ -1031,23 +1031,34 @@ def reshard(model) -> None:
 
 
 def gather_step(rollouts, trainer_logprobs: list, world):
-    """Every rank's `Rollouts` and trainer logprobs in rank (= sample) order: parity sees the whole step."""
+    """Every rank's `Rollouts` and trainer logprobs in rank (= sample) order: parity sees the whole step. One
+    gather, each rank's lengths, tokens and fp32 values' bits in one int64 tensor (a gather a field, each with
+    its sizes first, took 0.07 s of a 2-GPU step)."""
     if world.size == 1:
         return rollouts, trainer_logprobs
+    import array
+    import itertools
     import torch
-
-    def gathered_list(pieces: list, dtype: torch.dtype, lengths: list[int]) -> list[torch.Tensor]:
-        flat = torch.cat([torch.as_tensor(p, dtype=dtype) for p in pieces])
-        return list(world.gather(flat).split(lengths))
-    r = rollouts
-    prompt_lens, completion_lens = (world.gather(torch.tensor([len(s) for s in seqs])).tolist()
-                                    for seqs in (r.prompts, r.completions))
-    step = dataclasses.replace(
-        r, prompts=[t.tolist() for t in gathered_list(r.prompts, torch.int64, prompt_lens)],
-        completions=[t.tolist() for t in gathered_list(r.completions, torch.int64, completion_lens)],
-        vllm_logprobs=gathered_list(r.vllm_logprobs, torch.float32, completion_lens),
-        rewards=world.gather(r.rewards), advantages=world.gather(r.advantages), sampler_experts=None)
-    return step, gathered_list(trainer_logprobs, torch.float32, completion_lens)
+    r, n = rollouts, len(rollouts.prompts)  # as many samples on every rank
+    ints = itertools.chain(map(len, r.prompts), map(len, r.completions), *r.prompts, *r.completions)
+    values = torch.cat([*r.vllm_logprobs, *trainer_logprobs, r.rewards, r.advantages]).float()
+    everyone = world.gather(torch.cat([torch.frombuffer(array.array("q", ints), dtype=torch.int64),
+                                       values.view(torch.int32).long()]))
+    fields, at = [[] for _ in range(6)], 0  # prompts, completions, vLLM's and the trainer's logprobs, ...
+    for _ in range(world.size):  # each rank's part in the order it was written
+        lengths = everyone[at: (at := at + 2 * n)].tolist()
+        tokens = iter(everyone[at: (at := at + sum(lengths))].tolist())
+        sequences = [list(itertools.islice(tokens, k)) for k in lengths]
+        completion_lens = lengths[n:]
+        bits = everyone[at: (at := at + 2 * sum(completion_lens) + 2 * n)]
+        floats = bits.int().view(torch.float32).split([*completion_lens, *completion_lens, n, n])
+        for field, part in zip(fields, (sequences[:n], sequences[n:], floats[:n], floats[n: 2 * n],
+                                        floats[2 * n:2 * n + 1], floats[2 * n + 1:])):
+            field += part
+    prompts, completions, vllm_logprobs, logprobs, rewards, advantages = fields
+    return dataclasses.replace(r, prompts=prompts, completions=completions, vllm_logprobs=vllm_logprobs,
+                               rewards=torch.cat(rewards), advantages=torch.cat(advantages),
+                               sampler_experts=None), logprobs
 
 
 def shard_like(local, param):
