@@ -47,6 +47,7 @@ train phase over the one GPU's is what the sharded trainer costs per token.
 """
 
 import argparse
+import collections
 import contextlib
 import functools
 import gc
@@ -483,7 +484,8 @@ def profile_train_phase(step, i: int) -> None:
 def profile_lines(prof, parts, wall: str) -> str:
     """Each part of the train and push phases (the script's own functions, each in a range of its name, and
     FSDP2's own ranges) its wall time against the GPU time of the kernels it launched, what the GPU was busy
-    with in all, and the kernels that took the most of it (NCCL's collectives among them)."""
+    with in all, the kernels that took the most of it (NCCL's collectives among them), and where the GPU
+    waited for the host (`gpu_idle`)."""
     events, cpu, gpu = prof.key_averages(), torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     # a part's range shows on the CPU (its wall time) and, as an annotation, on the GPU's timeline too
     ranges = [e for e in events if e.device_type == cpu and (e.key in parts or e.key.startswith("FSDP::"))]
@@ -493,7 +495,38 @@ def profile_lines(prof, parts, wall: str) -> str:
     for e in ranges:  # a part's wall time includes the waits for the GPU it ends with
         lines.append(f"  {e.key:<36}{e.count:>5} x{e.cpu_time_total / 1e6:>8.3f} s wall"
                      f"{e.device_time_total / 1e6:>8.3f} s of kernels")
+    timeline = prof.profiler.kineto_results.events()
+    kernels = [(e.start_ns(), e.end_ns()) for e in timeline
+               if e.device_type() == gpu and not e.is_user_annotation()]
+    named = [(e.name(), e.start_ns(), e.end_ns()) for e in timeline
+             if e.device_type() == cpu and e.name() in parts]
+    span, idle, gaps = gpu_idle(kernels, named)
+    by_part = ", ".join(f"{name} {ns / 1e9:.3f}" for name, ns in gaps.most_common())
+    lines.append(f"  the GPU idle {idle / 1e9:.3f} s of the {span / 1e9:.3f} s from its first kernel to its "
+                 f"last; in gaps over 0.3 ms {sum(gaps.values()) / 1e9:.3f} s ({by_part}), the rest between "
+                 "kernels: launched no sooner than the GPU ran them")
     return "\n".join(lines + [table])
+
+
+def gpu_idle(kernels: list[tuple[int, int]], ranges: list[tuple[str, int, int]], least: int = 300_000):
+    """The time (ns) from the first of `kernels` (start, end) to the end of the last, the GPU's idle time in
+    it, and the gaps of at least `least` ns summed by the innermost of `ranges` (name, start, end) holding
+    each gap's middle: a gap is the host's work (or wait) before its next launch."""
+    busy = []
+    for start, end in sorted(kernels):
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end])
+    span = busy[-1][1] - busy[0][0] if busy else 0
+    gaps = collections.Counter()
+    for (_, gap_start), (gap_end, _) in zip(busy, busy[1:]):
+        if gap_end - gap_start >= least:
+            middle = (gap_start + gap_end) / 2
+            holding = [r for r in ranges if r[1] <= middle <= r[2]]
+            part = min(holding, key=lambda r: r[2] - r[1])[0] if holding else "elsewhere"
+            gaps[part] += gap_end - gap_start
+    return span, span - sum(end - start for start, end in busy), gaps
 
 
 SCRIPT_PARTS = {"vLLM sleeps": ("VLLMEngine", "sleep"), "reference logprobs": (None, "reference_logprobs"),

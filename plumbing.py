@@ -1053,7 +1053,7 @@ def gather_step(rollouts, trainer_logprobs: list, world):
         bits = everyone[at: (at := at + 2 * sum(completion_lens) + 2 * n)]
         floats = bits.int().view(torch.float32).split([*completion_lens, *completion_lens, n, n])
         for field, part in zip(fields, (sequences[:n], sequences[n:], floats[:n], floats[n: 2 * n],
-                                        floats[2 * n:2 * n + 1], floats[2 * n + 1:])):
+                                        floats[2 * n: 2 * n + 1], floats[2 * n + 1:])):
             field += part
     prompts, completions, vllm_logprobs, logprobs, rewards, advantages = fields
     return dataclasses.replace(r, prompts=prompts, completions=completions, vllm_logprobs=vllm_logprobs,

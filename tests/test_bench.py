@@ -135,6 +135,20 @@ def test_the_profile_tables_rank_kernels_by_gpu_time():
     assert lines[2].split() == ["norm", "10", "1.0000", "25.0%"]
 
 
+def test_the_gpus_idle_time_is_between_its_kernels_and_its_long_gaps_go_to_the_innermost_part():
+    us = 1_000  # ns
+    kernels = [(0, 100 * us), (50 * us, 200 * us),  # overlapping (two streams): busy 0-200 us
+               (210 * us, 300 * us),  # a 10 us gap: a launch, not counted as a long gap
+               (1_300 * us, 1_400 * us),  # 1 ms gap: inside "parity", itself inside "step"
+               (1_900 * us, 2_000 * us)]  # 0.5 ms: inside "step" alone
+    ranges = [("step", 0, 2_000 * us), ("parity", 500 * us, 1_600 * us)]  # the 1 ms gap's middle: 800 us
+    span, idle, gaps = bench.gpu_idle(kernels, ranges)
+    assert span == 2_000 * us and idle == (10 + 1_000 + 500) * us
+    assert gaps == {"parity": 1_000 * us, "step": 500 * us}
+    assert bench.gpu_idle(kernels, [])[2] == {"elsewhere": 1_500 * us}
+    assert bench.gpu_idle([], ranges) == (0, 0, {})
+
+
 def test_the_decode_table_gives_the_ratio_of_whichever_exact_sides_ran(monkeypatch, capsys):
     """`--decode decode-exact decode-standard` (the two sides the acceptance compares) prints exact / standard;
     with all three sides, vLLM's tiles too. Each side's process is replaced by its JSON (3 timings in ms at
