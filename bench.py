@@ -504,7 +504,7 @@ def profile_lines(prof, parts, wall: str) -> str:
     by_part = ", ".join(f"{name} {ns / 1e9:.3f}" for name, ns in gaps.most_common())
     lines.append(f"  the GPU idle {idle / 1e9:.3f} s of the {span / 1e9:.3f} s from its first kernel to its "
                  f"last; in gaps over 0.3 ms {sum(gaps.values()) / 1e9:.3f} s ({by_part}), the rest between "
-                 "kernels: launched no sooner than the GPU ran them")
+                 "kernels (launches, which the profiler slows)")
     return "\n".join(lines + [table])
 
 
@@ -541,8 +541,8 @@ SCRIPT_PARTS = {"vLLM sleeps": ("VLLMEngine", "sleep"), "reference logprobs": (N
 def profiled_script(step: int, argv: list[str]) -> None:
     """simple_rl.py run by its command line `argv` (under torchrun too), its step `step`'s train and push
     phases under torch.profiler: each rank writes runs/<run>/profile_rank<r>.txt (`profile_lines`; each step's
-    cudaMalloc calls and retries, and its seconds in Python's garbage collector) and trace_rank<r>.json.gz (a
-    timeline for Perfetto)."""
+    cudaMalloc calls and retries, its seconds in Python's garbage collector, and its forwards' wall and CPU
+    seconds) and trace_rank<r>.json.gz (a timeline for Perfetto)."""
     rank, size = plumbing.torchrun_rank_and_size()
     args = plumbing.check_args(plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, argv), size)
     files = plumbing.read_files(args, simple_rl.ANSWER_AFTER_HASHES)
@@ -559,20 +559,35 @@ def profiled_script(step: int, argv: list[str]) -> None:
             collecting["seconds"] += time.perf_counter() - collecting["since"]
             collecting["full"] += info["generation"] == 2
     gc.callbacks.append(timed_collection)
+    forward, launching, host = simple_rl.Qwen3.forward, [], {"wall": 0.0, "cpu": 0.0}
+
+    def timed_forward(model, *forward_args, **named):  # no sync inside: the host's launching alone
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return forward(model, *forward_args, **named)
+        finally:
+            host["wall"] += time.perf_counter() - wall
+            host["cpu"] += time.thread_time() - cpu
+    simple_rl.Qwen3.forward = timed_forward
 
     def counted_step(i: int, *step_args, **named):
         # A retry: PyTorch's allocator found no memory, freed its cache (a device sync) and allocated again.
         # A collection stops this rank alone: under torchrun the others wait for it at the next collective.
+        # A host that launches slower than another rank's makes it wait; a wall above the CPU time is this
+        # thread waiting for a core.
         before, collecting["seconds"], collecting["full"] = torch.cuda.memory_stats(), 0.0, 0
+        host["wall"] = host["cpu"] = 0.0
         out = (profiled_step if i == step else grpo_step)(i, *step_args, **named)
         after, keys = torch.cuda.memory_stats(), ("num_device_alloc", "num_alloc_retries")
         allocator.append("/".join(str(after.get(k, 0) - before.get(k, 0)) for k in keys))
         collector.append(f"{collecting['seconds']:.3f} ({collecting['full']})")
+        launching.append(f"{host['wall']:.3f}/{host['cpu']:.3f}")
         if i == step:
             with open(run / f"profile_rank{rank}.txt", "a") as f:
                 f.write(f"PyTorch's allocator, each step: cudaMalloc calls / retries {' '.join(allocator)}\n"
                         "Python's garbage collector, each step: seconds (full collections) "
-                        f"{', '.join(collector)}\n")
+                        f"{', '.join(collector)}\n"
+                        f"the forwards, each step: wall / this thread's CPU seconds {' '.join(launching)}\n")
         return out
 
     def profiled_step(i: int, sample, *rest, **named):
@@ -604,6 +619,7 @@ def profiled_script(step: int, argv: list[str]) -> None:
         simple_rl.run_as_script(args, files=files)
     finally:
         gc.callbacks.remove(timed_collection)
+        simple_rl.Qwen3.forward = forward
 
 
 @contextmanager

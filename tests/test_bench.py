@@ -244,7 +244,8 @@ def test_fits_writes_each_shape_with_the_layers_asked_for(monkeypatch, tmp_path)
 def test_a_profiled_script_run_writes_its_steps_profile(tmp_path, monkeypatch):
     """`bench.py --gpus N --profile` runs the script through `profiled_script`: the script's own run (here on the
     CPU, a stand-in for vLLM), its step 1's train and push phases profiled, the parts named, steps 0 and 2 not;
-    the allocator's counts of steps 0 and 1 (none on the CPU) and their garbage collections."""
+    the allocator's counts of steps 0 and 1 (none on the CPU), their garbage collections and their forwards'
+    wall and CPU seconds."""
     import simple_rl
     from conftest import gsm8k_jsonl, write_gsm8k_model
     from test_rl import TrainerAsSampler
@@ -269,10 +270,14 @@ def test_a_profiled_script_run_writes_its_steps_profile(tmp_path, monkeypatch):
     text = (tmp_path / "runs" / "prof" / "profile_rank0.txt").read_text()
     assert {"micro-batches", "forwards", "parity", "optimizer step", "gather the step", "checksums"} <= set(
         text.splitlines()[1:]), text
-    allocator, collector = text.splitlines()[-2:]
+    allocator, collector, forwards = text.splitlines()[-3:]
     assert allocator == "PyTorch's allocator, each step: cudaMalloc calls / retries 0/0 0/0", text
     assert re.fullmatch(r"Python's garbage collector, each step: seconds \(full collections\) "
                         r"\d+\.\d{3} \(\d+\), \d+\.\d{3} \(\d+\)", collector), text
+    steps = forwards.removeprefix("the forwards, each step: wall / this thread's CPU seconds ").split()
+    walls, cpus = zip(*(map(float, step.split("/")) for step in steps))
+    assert len(walls) == 2 and all(0 < cpu <= wall * 1.05 + 0.01 for wall, cpu in zip(walls, cpus)), text
+    assert simple_rl.Qwen3.forward.__name__ == "forward"  # the script's own again
     assert (tmp_path / "runs" / "prof" / "trace_rank0.json.gz").stat().st_size > 0
 
 
