@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 from contextlib import ExitStack
 from unittest.mock import patch
@@ -90,6 +91,16 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> 
             "summed_in_place": summed_in_place}
 
 
+def leave() -> None:
+    """A spawned worker's end, its results written: its process group destroyed, then the process gone at
+    once. torch 2.11's gloo (CPU) now and then aborts in its C++ teardown after Python has ended ("terminate
+    called without an active exception", faulthandler: no Python frame), failing a test whose work passed:
+    in 2 of 4 CPU suite runs one day (a restore on 2 processes, the script on 2)."""
+    dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
+
+
 def torchrun_env(rank: int, world: int, port: int) -> None:
     """The environment torchrun gives rank `rank` of `world` processes on this host."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -102,7 +113,7 @@ def worker(rank: int, world: int, port: int, model_dir, out, keep_gathered: bool
     result = one_update(model_dir, rank, world, keep_gathered)
     if rank == 0:
         torch.save(result, out)
-    dist.destroy_process_group()
+    leave()
 
 
 def free_port() -> int:
@@ -116,7 +127,7 @@ def run_name_worker(rank: int, world: int, port: int, out) -> None:
     place = simple_rl.World(*plumbing.init_distributed("cpu"))
     args = plumbing.agreed_run_name(make_args(run_name=f"grpo_clock_of_rank_{rank}"), place)
     (out / f"rank{rank}").write_text(args.run.run_name)
-    dist.destroy_process_group()
+    leave()
 
 
 def threads_worker(rank: int, world: int, port: int, out) -> None:
@@ -128,7 +139,7 @@ def threads_worker(rank: int, world: int, port: int, out) -> None:
             plumbing.init_distributed("cpu", host_adamw)
             threads.append(torch.get_num_threads())
     (out / f"rank{rank}").write_text(json.dumps(threads))
-    dist.destroy_process_group()
+    leave()
 
 
 def test_with_the_optimizer_on_the_host_each_rank_takes_its_share_of_the_cores(tmp_path):
@@ -172,7 +183,7 @@ def interrupted_worker(rank: int, world: int, port: int, model_dir, out) -> None
     sharded["after the reference's logprobs"] = all(hasattr(p, "to_local") for p in ref_model.parameters())
     if rank == 0:
         torch.save(sharded, out)
-    dist.destroy_process_group()
+    leave()
 
 
 def phases_worker(rank: int, world: int, port: int, out) -> None:
@@ -186,7 +197,7 @@ def phases_worker(rank: int, world: int, port: int, out) -> None:
         place.sum(torch.ones(1))  # the train phase's first collective
     if rank == 0:
         torch.save(times, out)
-    dist.destroy_process_group()
+    leave()
 
 
 def test_a_phase_ends_on_every_rank_when_the_slowest_rank_ends_it(tmp_path):
@@ -194,7 +205,8 @@ def test_a_phase_ends_on_every_rank_when_the_slowest_rank_ends_it(tmp_path):
     phase's (whose first collective it would otherwise wait in)."""
     mp.spawn(phases_worker, args=(2, free_port(), tmp_path / "times.pt"), nprocs=2)
     times = torch.load(tmp_path / "times.pt")
-    assert times["generate"] >= 1.0 and times["train"] < 0.5
+    # rank 0 may leave the barrier a little after rank 1 (measured: 2 ms under load), so a little under 1 s
+    assert times["generate"] >= 0.9 and times["train"] < 0.5
 
 
 def test_an_error_mid_step_or_mid_push_leaves_every_weight_sharded(tmp_path):
@@ -277,7 +289,7 @@ def main_worker(rank: int, world: int, port: int, workdir, flags: dict, dies: bo
         simple_rl.main(make_args(**flags), device="cpu", engine_class=DiesInStep3 if dies else TrainerAsSampler)
     except Killed:
         pass
-    dist.destroy_process_group()
+    leave()
 
 
 def run(world: int, workdir, flags: dict, dies: bool = False) -> None:
@@ -350,7 +362,7 @@ def restore_worker(rank: int, world: int, port: int, checkpoint, model_dir, out)
     if rank == 0:
         torch.save(state, out)
     if world > 1:
-        dist.destroy_process_group()
+        leave()
 
 
 @pytest.mark.parametrize("saved_on, resumed_on", [(2, 2), (2, 1), (1, 2), (4, 2)])
@@ -408,7 +420,7 @@ def peak_rss_worker(rank: int, world: int, port: int, model_dir, out) -> None:
     checkpoints.wait()  # the write, in the background, ends
     peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
     (out.parent / f"rss_{rank}").write_text(str((peak - before) * 1024))
-    dist.destroy_process_group()
+    leave()
 
 
 def test_saving_holds_no_more_than_a_shard_and_a_tensor(tmp_path):
