@@ -484,8 +484,8 @@ def profile_train_phase(step, i: int) -> None:
 def profile_lines(prof, parts, wall: str) -> str:
     """Each part of the train and push phases (the script's own functions, each in a range of its name, and
     FSDP2's own ranges) its wall time against the GPU time of the kernels it launched, what the GPU was busy
-    with in all, the kernels that took the most of it (NCCL's collectives among them), and where the GPU
-    waited for the host (`gpu_idle`)."""
+    with in all, the kernels that took the most of it (NCCL's collectives among them), where the GPU
+    waited for the host (`gpu_idle`) and what the host's time went to (`host_lines`)."""
     events, cpu, gpu = prof.key_averages(), torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     # a part's range shows on the CPU (its wall time) and, as an annotation, on the GPU's timeline too
     ranges = [e for e in events if e.device_type == cpu and (e.key in parts or e.key.startswith("FSDP::"))]
@@ -505,7 +505,19 @@ def profile_lines(prof, parts, wall: str) -> str:
     lines.append(f"  the GPU idle {idle / 1e9:.3f} s of the {span / 1e9:.3f} s from its first kernel to its "
                  f"last; in gaps over 0.3 ms {sum(gaps.values()) / 1e9:.3f} s ({by_part}), the rest between "
                  "kernels (launches, which the profiler slows)")
-    return "\n".join(lines + [table])
+    return "\n".join(lines + [host_lines(events), table])
+
+
+def host_lines(events, rows: int = 12) -> str:
+    """The host's CPU time in the profiled phases by what spent it, each event's own (self) time: a range's
+    (a part's or FSDP2's: the Python inside it, the script's own, Triton's launchers', autograd's), aten's ops
+    (their dispatch and allocations) and CUDA's launch calls; the main and autograd threads together."""
+    cpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                 key=lambda e: -e.self_cpu_time_total)
+    lines = [f"  the host's CPU time, each event's own: {sum(e.self_cpu_time_total for e in cpu) / 1e6:.3f} s "
+             "in all (the profiler's own slows it); the most:"]
+    return "\n".join(lines + [f"    {e.key[:60]:<60}{e.count:>7} x{e.self_cpu_time_total / 1e6:>8.3f} s"
+                              for e in cpu[:rows]])
 
 
 def gpu_idle(kernels: list[tuple[int, int]], ranges: list[tuple[str, int, int]], least: int = 300_000):

@@ -135,6 +135,24 @@ def test_the_profile_tables_rank_kernels_by_gpu_time():
     assert lines[2].split() == ["norm", "10", "1.0000", "25.0%"]
 
 
+def test_the_hosts_time_goes_to_each_event_by_its_own_cpu_time():
+    """A range's own time is the Python inside it (not its ops'): a part whose Python loops ranks above the
+    matmul it launches, which ranks above a cheap op; the lines sum every event's own time."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("python loops"):
+            sum(i * i for i in range(300_000))
+            (x @ x).neg_()
+    events = prof.key_averages()
+    lines = bench.host_lines(events, rows=3).splitlines()
+    own = {e.key: e.self_cpu_time_total for e in events}
+    assert lines[0].split()[7] == f"{sum(own.values()) / 1e6:.3f}"
+    names = [line.split()[0] for line in lines[1:]]
+    assert names[0] == "python" and own["python loops"] > own["aten::mm"] > own["aten::neg_"], lines
+
+
 def test_the_gpus_idle_time_is_between_its_kernels_and_its_long_gaps_go_to_the_innermost_part():
     us = 1_000  # ns
     kernels = [(0, 100 * us), (50 * us, 200 * us),  # overlapping (two streams): busy 0-200 us
