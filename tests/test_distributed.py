@@ -97,7 +97,8 @@ def leave() -> None:
     called without an active exception", faulthandler: no Python frame), failing a test whose work passed:
     in 2 of 4 CPU suite runs one day (a restore on 2 processes, the script on 2)."""
     dist.destroy_process_group()
-    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 
