@@ -213,7 +213,7 @@ def exact_step_runner(ckpt: Path, args):
         parity=simple_rl.Parity(parity_report_tokens=0),  # the step's parity in one line
         run=simple_rl.Run(run_name="bench", output_dir=str(ckpt.parent / "checkpoints"), keep_last=1),
     )
-    world = simple_rl.World()
+    world = simple_rl.World(*plumbing.init_distributed("cuda"))  # as the script: torch's host threads too
     config_json = json.loads((ckpt / "config.json").read_text())
     shape = simple_rl.model_shape(simple_rl.model_args_from_hf_config(config_json))
     fit = plumbing.check_gpu_memory(shape, config, world)  # as the script: vLLM stays awake if it fits beside

@@ -942,16 +942,23 @@ def check_gpu_memory(shape: ModelShape, args, world) -> Fit:
 # ===== Several GPUs (torchrun): data parallel, an FSDP2-sharded trainer =====
 def init_distributed(device: str, host_adamw: bool = False) -> tuple[int, int]:
     """Under torchrun (WORLD_SIZE > 1) join the process group (NCCL, or gloo on CPU) on this rank's GPU.
-    With `host_adamw` (--offload-optimizer) a rank that torchrun left one thread (OMP_NUM_THREADS=1, its
-    default for several ranks) takes its share of the host's cores: AdamW on one thread made the 8B's train
-    phase on 2 H200s 16.9 s, 9.0 s on 16. Only then: the CPU's matmuls (a CPU-run trainer's) sum otherwise on
-    another thread count; AdamW's elementwise update does not. Returns (rank, size): (0, 1) alone."""
+    Torch's host threads (OpenMP's, one a core by default) spin between parallel regions, and beside any other
+    busy thread (DCP's checkpoint writer, another process) a region waits for a worker the kernel put off: a
+    1.7B train phase on one H200 took 5.4-6.5 s beside one busy process, 3.7 s alone, 3.7-4.0 s either way on
+    one thread. A GPU trainer's host work is launches and small tensors: one thread, as torchrun gives each of
+    several ranks (OMP_NUM_THREADS=1, unless set; another value set stands). With `host_adamw`
+    (--offload-optimizer) a rank that has one takes its share of the host's cores instead: AdamW on one thread
+    made the 8B's train phase on 2 H200s 16.9 s, 9.0 s on 16. A CPU-run trainer keeps its count: its matmuls
+    sum otherwise on another (AdamW's elementwise update does not). Returns (rank, size): (0, 1) alone."""
     import torch
     import torch.distributed as dist
     size = torchrun_rank_and_size()[1]
-    if host_adamw and size > 1 and os.environ.get("OMP_NUM_THREADS") == "1":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", size))))
+    if os.environ.get("OMP_NUM_THREADS", "1") == "1":
+        if host_adamw and size > 1:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", size))))
+        elif device == "cuda" and not host_adamw:
+            torch.set_num_threads(1)
     if size > 1 and not dist.is_initialized():
         if device == "cuda":
             gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

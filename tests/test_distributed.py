@@ -153,6 +153,26 @@ def test_with_the_optimizer_on_the_host_each_rank_takes_its_share_of_the_cores(t
         assert without == before and with_host_adamw == 6
 
 
+def test_a_gpu_trainer_runs_torchs_host_work_on_one_thread(monkeypatch):
+    """Torch's host threads spin between parallel regions, and beside another busy thread (a checkpoint
+    write) a region waits for one the kernel put off (1.7B train phase on one H200: 3.7 s, 5.4-6.5 s beside
+    one busy process; one thread: 3.7-4.0 s). A GPU trainer alone takes one thread unless OMP_NUM_THREADS
+    says otherwise; a host AdamW's process keeps its cores. No GPU is touched: one process joins nothing."""
+    before, host = torch.get_num_threads(), 4  # a host of several threads, whatever this one has
+    for name in ("OMP_NUM_THREADS", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        torch.set_num_threads(host)
+        assert plumbing.init_distributed("cuda", host_adamw=True) == (0, 1) and torch.get_num_threads() == host
+        assert plumbing.init_distributed("cuda") == (0, 1) and torch.get_num_threads() == 1
+        torch.set_num_threads(host)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+        plumbing.init_distributed("cuda")
+        assert torch.get_num_threads() == host
+    finally:
+        torch.set_num_threads(before)
+
+
 def interrupted_worker(rank: int, world: int, port: int, model_dir, out) -> None:
     """A step whose micro-batch loop fails, and a push whose reader stops at the first block, each caught."""
     torchrun_env(rank, world, port)
