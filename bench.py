@@ -448,7 +448,7 @@ def run_side(side: str, ckpt: Path, args) -> dict:
     saves = None if standard or not args.save_every else saving_steps(step, checkpoints, 1 + args.iters,
                                                                        args.save_every)
     if args.profile and not standard:  # last: a profiled step runs slower, and no timed step comes after it
-        profile_train_phase(step, 1 + args.iters + 2 * args.save_every)
+        profile_train_phase(step, 1 + args.iters + 2 * args.save_every, args.profile)
     return {
         "steps": [times for times, _ in results],
         "startup": startup,
@@ -465,11 +465,14 @@ def run_side(side: str, ckpt: Path, args) -> dict:
 
 
 PHASES = ("generate", "train", "push")
+# --profile: the host's ops and the GPU's kernels; --profile kernels: the kernels alone, no CPU tracing to slow
+# the host (the GPU's idle time is the run's own; no part's ranges, no host lines)
+PROFILED = {"all": [ProfilerActivity.CPU, ProfilerActivity.CUDA], "kernels": [ProfilerActivity.CUDA]}
 
 
-def profile_train_phase(step, i: int) -> None:
-    """One more step, its train and push phases under torch.profiler (`profile_lines`)."""
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+def profile_train_phase(step, i: int, what: str) -> None:
+    """One more step, its train and push phases under torch.profiler (`profile_lines`), `what`: PROFILED's."""
+    prof = profile(activities=PROFILED[what])
 
     def start() -> None:  # after generation; stopped once the GPU ran what the step launched
         prof.__enter__()
@@ -487,6 +490,7 @@ def profile_lines(prof, parts, wall: str) -> str:
     with in all, the kernels that took the most of it (NCCL's collectives among them), where the GPU
     waited for the host (`gpu_idle`) and what the host's time went to (`host_lines`)."""
     events, cpu, gpu = prof.key_averages(), torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    traced = any(e.device_type == cpu for e in events)  # the host's ops too (`PROFILED`)
     # a part's range shows on the CPU (its wall time) and, as an annotation, on the GPU's timeline too
     ranges = [e for e in events if e.device_type == cpu and (e.key in parts or e.key.startswith("FSDP::"))]
     busy, table = top_kernels([e for e in events if e.device_type == gpu and not e.is_user_annotation], 25)
@@ -504,8 +508,8 @@ def profile_lines(prof, parts, wall: str) -> str:
     by_part = ", ".join(f"{name} {ns / 1e9:.3f}" for name, ns in gaps.most_common())
     lines.append(f"  the GPU idle {idle / 1e9:.3f} s of the {span / 1e9:.3f} s from its first kernel to its "
                  f"last; in gaps over 0.3 ms {sum(gaps.values()) / 1e9:.3f} s ({by_part}), the rest between "
-                 "kernels (launches, which the profiler slows)")
-    return "\n".join(lines + [host_lines(events), table])
+                 "kernels" + (" (launches, which the profiler slows)" if traced else ""))
+    return "\n".join(lines + [host_lines(events)] * traced + [table])
 
 
 def host_lines(events, rows: int = 12) -> str:
@@ -550,11 +554,11 @@ SCRIPT_PARTS = {"vLLM sleeps": ("VLLMEngine", "sleep"), "reference logprobs": (N
                 "empty PyTorch's cache": (torch.cuda, "empty_cache")}
 
 
-def profiled_script(step: int, argv: list[str]) -> None:
+def profiled_script(step: int, what: str, argv: list[str]) -> None:
     """simple_rl.py run by its command line `argv` (under torchrun too), its step `step`'s train and push
-    phases under torch.profiler: each rank writes runs/<run>/profile_rank<r>.txt (`profile_lines`; each step's
-    cudaMalloc calls and retries, its seconds in Python's garbage collector, and its forwards' wall and CPU
-    seconds) and trace_rank<r>.json.gz (a timeline for Perfetto)."""
+    phases under torch.profiler (`what`: `PROFILED`'s): each rank writes runs/<run>/profile_rank<r>.txt
+    (`profile_lines`; each step's cudaMalloc calls and retries, its seconds in Python's garbage collector, and
+    its forwards' wall and CPU seconds) and trace_rank<r>.json.gz (a timeline for Perfetto)."""
     rank, size = plumbing.torchrun_rank_and_size()
     args = plumbing.check_args(plumbing.parse_command_line(simple_rl.Args, simple_rl.__doc__, argv), size)
     files = plumbing.read_files(args, simple_rl.ANSWER_AFTER_HASHES)
@@ -603,7 +607,7 @@ def profiled_script(step: int, argv: list[str]) -> None:
         return out
 
     def profiled_step(i: int, sample, *rest, **named):
-        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        prof = profile(activities=PROFILED[what])
 
         def sampled():  # generation is not profiled
             rollouts = sample()
@@ -789,10 +793,10 @@ def script_run(gpus: int, model: Path, workdir: Path, args, flags=(), name: str 
     name, prompts = name or f"{gpus}_gpus", prompts or args.prompts
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(gpus)] if gpus > 1 else []
     # --profile: one more step, profiled (`profiled_script`), out of the means
-    script = ([__file__, "--profiled-script", str(1 + args.iters), "--"] if args.profile
+    script = ([__file__, "--profiled-script", str(1 + args.iters), args.profile, "--"] if args.profile
               else [HERE / "simple_rl.py"])
     flags = ["--model", str(model), "--dataset", str(args.gsm8k.resolve()), "--eval-every", "0",
-             "--steps", str(1 + args.iters + args.profile), "--run-name", name, "--save-every", "-1",
+             "--steps", str(1 + args.iters + bool(args.profile)), "--run-name", name, "--save-every", "-1",
              "--prompts-per-step", str(prompts), "--samples-per-prompt", str(args.samples),
              "--max-new-tokens", str(args.max_new_tokens), "--vllm-gpu-memory", str(args.vllm_gpu_memory),
              "--max-tokens-per-microbatch", str(args.max_tokens_per_microbatch), *flags]
@@ -1239,6 +1243,7 @@ def decode_side(side: str, args) -> dict:
         llm = vllm.LLM(model=str(directory), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                        enable_prefix_caching=False, max_num_seqs=256, **common)
     else:
+        plumbing.init_distributed("cuda")  # as the script: torch's host work on one thread
         if side == "decode-exact-vllm-tiles":  # the engine then serves its linears with vLLM's own tiles
             from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
 
@@ -1280,9 +1285,9 @@ def decode_benchmark(args) -> dict:
             if side != "decode-standard":
                 env["VLLM_BATCH_INVARIANT"] = "1"
             out = Path(tmp) / "side.json"
-            cmd = [sys.executable, __file__, "--shape", args.shape,
-                   *layer_flags(args),
-                   "--vllm-gpu-memory", str(args.vllm_gpu_memory), *(["--profile"] if args.profile else []),
+            cmd = [sys.executable, __file__, "--shape", args.shape, *layer_flags(args),
+                   "--vllm-gpu-memory", str(args.vllm_gpu_memory),
+                   *(["--profile", args.profile] if args.profile else []),
                    "--decode-context", str(args.decode_context), "--decode-seqs", *map(str, args.decode_seqs),
                    "--side", side, "--json", str(out)]
             subprocess.run(cmd, env=env, check=True)
@@ -1354,10 +1359,11 @@ def parse_flags() -> argparse.Namespace:
     trainer.add_argument("--seqs", type=int, default=8)
     trainer.add_argument("--seqlen", type=int, default=1024)
     trainer.add_argument(
-        "--profile", action="store_true",
+        "--profile", nargs="?", const="all", choices=list(PROFILED),
         help="also print the top CUDA kernels: of the trainer (--trainer-only), of decoding (--decode), "
         "of the exact side's train phase (the step benchmark), or of each run's train phase, every rank's "
-        "(--gpus: one more step, profiled)"
+        "(--gpus: one more step, profiled); `--profile kernels`: the kernels alone, no CPU tracing to slow "
+        "the host (the GPU's idle time is the run's own)"
     )
     trainer.add_argument("--profile-dir", type=Path,
                          help="with --gpus --profile: where each run's profiles and timelines are copied")
@@ -1389,8 +1395,8 @@ def parse_flags() -> argparse.Namespace:
 
 
 def main():
-    if sys.argv[1:2] == ["--profiled-script"]:  # script_run's: bench.py --profiled-script STEP -- FLAGS
-        return profiled_script(int(sys.argv[2]), sys.argv[4:])
+    if sys.argv[1:2] == ["--profiled-script"]:  # script_run's: bench.py --profiled-script STEP WHAT -- FLAGS
+        return profiled_script(int(sys.argv[2]), sys.argv[3], sys.argv[5:])
     args = parse_flags()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA GPU")

@@ -279,7 +279,7 @@ def test_a_profiled_script_run_writes_its_steps_profile(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "profile_lines", lambda prof, parts, wall: profiled.append(wall) or
                         bench.top_kernels([], 1)[1] + "\n" + "\n".join(
                             e.key for e in prof.key_averages() if e.key in parts))
-    bench.profiled_script(1, ["--model", str(model_dir), "--dataset", str(gsm8k_jsonl("train")),
+    bench.profiled_script(1, "all", ["--model", str(model_dir), "--dataset", str(gsm8k_jsonl("train")),
                               "--eval-dataset", str(gsm8k_jsonl("test")), "--prompts-per-step", "2",
                               "--samples-per-prompt", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "400",
                               "--max-tokens-per-microbatch", "500", "--steps", "3", "--eval-every", "0",
@@ -297,6 +297,33 @@ def test_a_profiled_script_run_writes_its_steps_profile(tmp_path, monkeypatch):
     assert len(walls) == 2 and all(0 < cpu <= wall * 1.05 + 0.01 for wall, cpu in zip(walls, cpus)), text
     assert simple_rl.Qwen3.forward.__name__ == "forward"  # the script's own again
     assert (tmp_path / "runs" / "prof" / "trace_rank0.json.gz").stat().st_size > 0
+
+
+def test_a_kernels_only_profile_has_no_host_lines_and_no_launches_slowed(monkeypatch):
+    """`--profile kernels` traces the GPU's kernels alone (no CPU tracing slows the host): its lines give the
+    kernels and the GPU's idle time, not the host's CPU time nor the profiler's slowed launches; `--profile`
+    alone traces both."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "H200")
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    kernel = SimpleNamespace(key="matmul", count=2, self_device_time_total=3_000, device_type=cuda,
+                             is_user_annotation=False, self_cpu_time_total=0)
+    op = SimpleNamespace(key="aten::mm", count=2, self_device_time_total=0, device_type=cpu,
+                         is_user_annotation=False, self_cpu_time_total=500, cpu_time_total=500)
+    timeline = [SimpleNamespace(device_type=lambda: cuda, is_user_annotation=lambda: False,
+                                name=lambda: "matmul", start_ns=lambda a=a: a,
+                                end_ns=lambda a=a: a + 1_500_000_000) for a in (0, 2 * 10**9)]  # 0.5 s apart
+
+    def lines(events):
+        prof = SimpleNamespace(key_averages=lambda: events,
+                               profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: timeline)))
+        return bench.profile_lines(prof, {}, "1.00 + 0.10 s wall")
+    kernels_only, both = lines([kernel]), lines([kernel, op])
+    assert "kernels 0.00 s" in kernels_only.splitlines()[0] and "the GPU idle 0.500 s" in kernels_only
+    assert "host's CPU time" not in kernels_only and "profiler slows" not in kernels_only, kernels_only
+    assert "host's CPU time" in both and "profiler slows" in both, both
+    for argv, what in (([], None), (["--profile"], "all"), (["--profile", "kernels"], "kernels")):
+        monkeypatch.setattr(bench.sys, "argv", ["bench.py", *argv])
+        assert bench.parse_flags().profile == what
 
 
 def test_the_sweep_takes_its_row_counts_or_sweeps_them_all(monkeypatch):
