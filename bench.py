@@ -481,16 +481,16 @@ def profile_train_phase(step, i: int, what: str) -> None:
         for name, (owner, attribute) in step.parts.items():
             stack.enter_context(in_range(owner, attribute, name))
         times, _ = step(i, after_sample=start)
-    print("\n" + profile_lines(prof, step.parts, f"{times['train']:.2f} + {times['push']:.2f} s wall"))
+    print("\n" + profile_lines(prof, step.parts, f"{times['train']:.2f} + {times['push']:.2f} s wall", what))
 
 
-def profile_lines(prof, parts, wall: str) -> str:
+def profile_lines(prof, parts, wall: str, what: str = "all") -> str:
     """Each part of the train and push phases (the script's own functions, each in a range of its name, and
     FSDP2's own ranges) its wall time against the GPU time of the kernels it launched, what the GPU was busy
     with in all, the kernels that took the most of it (NCCL's collectives among them), where the GPU
-    waited for the host (`gpu_idle`) and what the host's time went to (`host_lines`)."""
+    waited for the host (`gpu_idle`) and what the host's time went to (`host_lines`). `what`: `PROFILED`'s
+    (kernels alone: no ranges, and the host's lines are CUDA's own calls)."""
     events, cpu, gpu = prof.key_averages(), torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-    traced = any(e.device_type == cpu for e in events)  # the host's ops too (`PROFILED`)
     # a part's range shows on the CPU (its wall time) and, as an annotation, on the GPU's timeline too
     ranges = [e for e in events if e.device_type == cpu and (e.key in parts or e.key.startswith("FSDP::"))]
     busy, table = top_kernels([e for e in events if e.device_type == gpu and not e.is_user_annotation], 25)
@@ -508,14 +508,15 @@ def profile_lines(prof, parts, wall: str) -> str:
     by_part = ", ".join(f"{name} {ns / 1e9:.3f}" for name, ns in gaps.most_common())
     lines.append(f"  the GPU idle {idle / 1e9:.3f} s of the {span / 1e9:.3f} s from its first kernel to its "
                  f"last; in gaps over 0.3 ms {sum(gaps.values()) / 1e9:.3f} s ({by_part}), the rest between "
-                 "kernels" + (" (launches, which the profiler slows)" if traced else ""))
-    return "\n".join(lines + [host_lines(events)] * traced + [table])
+                 "kernels" + (" (launches, which the profiler slows)" if what == "all" else ""))
+    return "\n".join(lines + [host_lines(events)] * any(e.device_type == cpu for e in events) + [table])
 
 
 def host_lines(events, rows: int = 12) -> str:
     """The host's CPU time in the profiled phases by what spent it, each event's own (self) time: a range's
     (a part's or FSDP2's: the Python inside it, the script's own, Triton's launchers', autograd's), aten's ops
-    (their dispatch and allocations) and CUDA's launch calls; the main and autograd threads together."""
+    (their dispatch and allocations) and CUDA's launch calls; the main and autograd threads together. CUDA's
+    "Command Buffer Full": the host blocked on a full queue of launches (it runs ahead of the GPU)."""
     cpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
                  key=lambda e: -e.self_cpu_time_total)
     lines = [f"  the host's CPU time, each event's own: {sum(e.self_cpu_time_total for e in cpu) / 1e6:.3f} s "
@@ -625,7 +626,7 @@ def profiled_script(step: int, what: str, argv: list[str]) -> None:
         try:
             prof.__exit__(None, None, None)
             wall = f"{scalars['time/train']:.2f} + {scalars['time/push']:.2f} s wall, rank {rank} of {size}"
-            (run / f"profile_rank{rank}.txt").write_text(profile_lines(prof, parts, wall) + "\n")
+            (run / f"profile_rank{rank}.txt").write_text(profile_lines(prof, parts, wall, what) + "\n")
             prof.export_chrome_trace(str(run / f"trace_rank{rank}.json.gz"))
         finally:
             gc.enable()

@@ -140,10 +140,10 @@ def test_the_hosts_time_goes_to_each_event_by_its_own_cpu_time():
     matmul it launches, which ranks above a cheap op; the lines sum every event's own time."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    x = torch.randn(256, 256)
+    x = torch.randn(512, 512)  # each ~20x the next (loops ~0.2 s, the matmul ~10 ms): a busy host keeps the order
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("python loops"):
-            sum(i * i for i in range(300_000))
+            sum(i * i for i in range(3_000_000))
             (x @ x).neg_()
     events = prof.key_averages()
     lines = bench.host_lines(events, rows=3).splitlines()
@@ -276,7 +276,7 @@ def test_a_profiled_script_run_writes_its_steps_profile(tmp_path, monkeypatch):
         args, device="cpu", engine_class=TrainerAsSampler, files=files))
     monkeypatch.setattr(simple_rl, "grpo_step", simple_rl.grpo_step)  # restored after the test
     profiled = []
-    monkeypatch.setattr(bench, "profile_lines", lambda prof, parts, wall: profiled.append(wall) or
+    monkeypatch.setattr(bench, "profile_lines", lambda prof, parts, wall, what: profiled.append(wall) or
                         bench.top_kernels([], 1)[1] + "\n" + "\n".join(
                             e.key for e in prof.key_averages() if e.key in parts))
     bench.profiled_script(1, "all", ["--model", str(model_dir), "--dataset", str(gsm8k_jsonl("train")),
@@ -299,28 +299,33 @@ def test_a_profiled_script_run_writes_its_steps_profile(tmp_path, monkeypatch):
     assert (tmp_path / "runs" / "prof" / "trace_rank0.json.gz").stat().st_size > 0
 
 
-def test_a_kernels_only_profile_has_no_host_lines_and_no_launches_slowed(monkeypatch):
+def test_a_kernels_only_profile_has_cudas_calls_for_host_lines_and_no_launches_slowed(monkeypatch):
     """`--profile kernels` traces the GPU's kernels alone (no CPU tracing slows the host): its lines give the
-    kernels and the GPU's idle time, not the host's CPU time nor the profiler's slowed launches; `--profile`
-    alone traces both."""
+    kernels, the GPU's idle time and CUDA's own calls (a full queue: the host ahead), not the profiler's slowed
+    launches; `--profile` alone traces the host's ops too."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "H200")
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     kernel = SimpleNamespace(key="matmul", count=2, self_device_time_total=3_000, device_type=cuda,
                              is_user_annotation=False, self_cpu_time_total=0)
-    op = SimpleNamespace(key="aten::mm", count=2, self_device_time_total=0, device_type=cpu,
-                         is_user_annotation=False, self_cpu_time_total=500, cpu_time_total=500)
+
+    def host(key):
+        return SimpleNamespace(key=key, count=2, self_device_time_total=0, device_type=cpu,
+                               is_user_annotation=False, self_cpu_time_total=500, cpu_time_total=500)
     timeline = [SimpleNamespace(device_type=lambda: cuda, is_user_annotation=lambda: False,
                                 name=lambda: "matmul", start_ns=lambda a=a: a,
                                 end_ns=lambda a=a: a + 1_500_000_000) for a in (0, 2 * 10**9)]  # 0.5 s apart
 
-    def lines(events):
+    def lines(events, what):
         prof = SimpleNamespace(key_averages=lambda: events,
                                profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: timeline)))
-        return bench.profile_lines(prof, {}, "1.00 + 0.10 s wall")
-    kernels_only, both = lines([kernel]), lines([kernel, op])
+        return bench.profile_lines(prof, {}, "1.00 + 0.10 s wall", what)
+    kernels_only = lines([kernel], "kernels")
     assert "kernels 0.00 s" in kernels_only.splitlines()[0] and "the GPU idle 0.500 s" in kernels_only
     assert "host's CPU time" not in kernels_only and "profiler slows" not in kernels_only, kernels_only
-    assert "host's CPU time" in both and "profiler slows" in both, both
+    cuda_calls = lines([kernel, host("Command Buffer Full")], "kernels")
+    assert "Command Buffer Full" in cuda_calls and "profiler slows" not in cuda_calls, cuda_calls
+    both = lines([kernel, host("aten::mm")], "all")
+    assert "aten::mm" in both and "profiler slows" in both, both
     for argv, what in (([], None), (["--profile"], "all"), (["--profile", "kernels"], "kernels")):
         monkeypatch.setattr(bench.sys, "argv", ["bench.py", *argv])
         assert bench.parse_flags().profile == what
