@@ -466,7 +466,7 @@ def run_side(side: str, ckpt: Path, args) -> dict:
 
 PHASES = ("generate", "train", "push")
 # --profile: the host's ops and the GPU's kernels; --profile kernels: the kernels alone, no CPU tracing to slow
-# the host (the GPU's idle time is the run's own; no part's ranges, no host lines)
+# the host (the GPU's idle time is the run's own; no part's ranges; the host's lines are CUDA's own calls)
 PROFILED = {"all": [ProfilerActivity.CPU, ProfilerActivity.CUDA], "kernels": [ProfilerActivity.CUDA]}
 
 
@@ -484,7 +484,7 @@ def profile_train_phase(step, i: int, what: str) -> None:
     print("\n" + profile_lines(prof, step.parts, f"{times['train']:.2f} + {times['push']:.2f} s wall", what))
 
 
-def profile_lines(prof, parts, wall: str, what: str = "all") -> str:
+def profile_lines(prof, parts, wall: str, what: str) -> str:
     """Each part of the train and push phases (the script's own functions, each in a range of its name, and
     FSDP2's own ranges) its wall time against the GPU time of the kernels it launched, what the GPU was busy
     with in all, the kernels that took the most of it (NCCL's collectives among them), where the GPU
