@@ -509,6 +509,11 @@ def profile_lines(prof, parts, wall: str, what: str) -> str:
     lines.append(f"  the GPU idle {idle / 1e9:.3f} s of the {span / 1e9:.3f} s from its first kernel to its "
                  f"last; in gaps over 0.3 ms {sum(gaps.values()) / 1e9:.3f} s ({by_part}), the rest between "
                  "kernels" + (" (launches, which the profiler slows)" if what == "all" else ""))
+    if what == "kernels":  # the host unslowed: whether it ran ahead of the GPU (GPU-bound) or not (host-bound)
+        full = [e for e in events if e.key == "Command Buffer Full"]
+        n, blocked = (full[0].count, full[0].self_cpu_time_total / 1e6) if full else (0, 0.0)
+        lines.append(f"  CUDA's launch queue full {n} times, the host blocked {blocked:.3f} s: "
+                     + ("it ran ahead of the GPU" if n else "it never ran ahead of the GPU"))
     return "\n".join(lines + [host_lines(events)] * any(e.device_type == cpu for e in events) + [table])
 
 

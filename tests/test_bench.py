@@ -322,10 +322,12 @@ def test_a_kernels_only_profile_has_cudas_calls_for_host_lines_and_no_launches_s
     kernels_only = lines([kernel], "kernels")
     assert "kernels 0.00 s" in kernels_only.splitlines()[0] and "the GPU idle 0.500 s" in kernels_only
     assert "host's CPU time" not in kernels_only and "profiler slows" not in kernels_only, kernels_only
+    assert "queue full 0 times, the host blocked 0.000 s: it never ran ahead" in kernels_only, kernels_only
     cuda_calls = lines([kernel, host("Command Buffer Full")], "kernels")
     assert "Command Buffer Full" in cuda_calls and "profiler slows" not in cuda_calls, cuda_calls
+    assert "queue full 2 times, the host blocked 0.001 s: it ran ahead" in cuda_calls, cuda_calls
     both = lines([kernel, host("aten::mm")], "all")
-    assert "aten::mm" in both and "profiler slows" in both, both
+    assert "aten::mm" in both and "profiler slows" in both and "queue full" not in both, both
     for argv, what in (([], None), (["--profile"], "all"), (["--profile", "kernels"], "kernels")):
         monkeypatch.setattr(bench.sys, "argv", ["bench.py", *argv])
         assert bench.parse_flags().profile == what
