@@ -510,8 +510,8 @@ def profile_lines(prof, parts, wall: str, what: str) -> str:
                  f"last; in gaps over 0.3 ms {sum(gaps.values()) / 1e9:.3f} s ({by_part}), the rest between "
                  "kernels" + (" (launches, which the profiler slows)" if what == "all" else ""))
     if what == "kernels":  # the host unslowed: whether it ran ahead of the GPU (GPU-bound) or not (host-bound)
-        full = [e for e in events if e.key == "Command Buffer Full"]
-        n, blocked = (full[0].count, full[0].self_cpu_time_total / 1e6) if full else (0, 0.0)
+        full = next((e for e in events if e.key == "Command Buffer Full"), None)
+        n, blocked = (full.count, full.self_cpu_time_total / 1e6) if full else (0, 0.0)
         lines.append(f"  CUDA's launch queue full {n} times, the host blocked {blocked:.3f} s: "
                      + ("it ran ahead of the GPU" if n else "it never ran ahead of the GPU"))
     return "\n".join(lines + [host_lines(events)] * any(e.device_type == cpu for e in events) + [table])
@@ -1369,7 +1369,7 @@ def parse_flags() -> argparse.Namespace:
         help="also print the top CUDA kernels: of the trainer (--trainer-only), of decoding (--decode), "
         "of the exact side's train phase (the step benchmark), or of each run's train phase, every rank's "
         "(--gpus: one more step, profiled); `--profile kernels`: the kernels alone, no CPU tracing to slow "
-        "the host (the GPU's idle time is the run's own)"
+        "the host (the GPU's idle time is the run's own; whether the host ran ahead of it)"
     )
     trainer.add_argument("--profile-dir", type=Path,
                          help="with --gpus --profile: where each run's profiles and timelines are copied")
