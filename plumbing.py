@@ -818,7 +818,9 @@ def memory_plan(shape: ModelShape, args, gpus: int, gpu_bytes: int, keep_gathere
         state["reference policy"] = 2 * shard
     fsdp = {}  # FSDP2: the root (embedding, lm_head), two blocks, a block's gradient reduced in fp32
     if gpus > 1 and keep_gathered:  # the whole bf16 weights, their gradients summed whole in fp32
-        fsdp = {"weights gathered": 2 * n, "unsharded fp32 gradients": 4 * n + 4 * block}
+        # and a unit's sums copied to be reduce-scattered (gathered, in the first forward: no sums yet)
+        fsdp = {"weights gathered": 2 * n,
+                "unsharded fp32 gradients": 4 * n + 4 * BLOCKS_PER_UNIT_KEPT_GATHERED * block}
     elif gpus > 1:
         fsdp["gathered by FSDP2"] = 2 * (n - model_args.n_layers * block) + 4 * block + 6 * block
     context = {"CUDA context": CUDA_CONTEXT_BYTES}
@@ -982,21 +984,31 @@ def agreed_run_name(args, world):
     return dataclasses.replace(args, run=dataclasses.replace(args.run, run_name=name[0]))
 
 
+BLOCKS_PER_UNIT_KEPT_GATHERED = 4
+
+
 def shard_model(model, world, keep_gathered: bool = False):
     """FSDP2, a unit per block plus the root (embedding, final norm, maybe-tied lm_head). Gradients
     reduce-scatter as fp32 sums, not means: the loss is already divided by all ranks' token count.
     `keep_gathered`: a step gathers the weights and reduce-scatters once (simple_rl's
     `reduce_gradients_after`); its weight-gradient GEMMs add into FSDP2's fp32 sums
-    (`gradient_sums_in_place`)."""
+    (`gradient_sums_in_place`), in units of `BLOCKS_PER_UNIT_KEPT_GATHERED` blocks: FSDP2's hooks run a unit
+    at a time each micro-batch (a 1.7B step's 16 forwards on a 2-GPU rank, a unit a block: +0.15-0.22 s,
+    +30-40%, of its host's time; its GPU waited on its host in bench's step), and kept gathered a unit's size
+    sets only its collectives' buffers. `model.fsdp_units`: each unit's modules, the root last."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(model.device.type, (world.size,))
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    for unit in (*model.layers, model):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
+    size = BLOCKS_PER_UNIT_KEPT_GATHERED if keep_gathered else 1
+    blocks = list(model.layers)
+    # blocks before the root, whose unit takes the parameters no other unit took
+    model.fsdp_units = [blocks[i: i + size] for i in range(0, len(blocks), size)] + [[model]]
+    for unit in model.fsdp_units:
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=policy)
+        unit[0].set_gradient_divide_factor(1.0)  # a unit's modules share its settings
+        unit[0].set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
     model.keep_gathered = keep_gathered
     if keep_gathered:
         model.register_forward_hook(gradient_sums_in_place)
@@ -1005,8 +1017,7 @@ def shard_model(model, world, keep_gathered: bool = False):
 
 def fsdp_params(model) -> list:
     """FSDP2's record of each of its units' parameters (torch 2.11's `FSDPParam`s)."""
-    units = (*model.layers, model)
-    return [p for unit in units for p in unit._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    return [p for unit in model.fsdp_units for p in unit[0]._get_fsdp_state()._fsdp_param_group.fsdp_params]
 
 
 def gradient_sums_in_place(model, args, output) -> None:
@@ -1029,8 +1040,8 @@ def reshard(model) -> None:
     """Every unit's weights back in their shards, and no gathered gradient or sum left: the step's
     reduce-scatter has read them, or the step failed and the next must not add to them (nor a full fp32 copy
     outlive the step)."""
-    for unit in (*model.layers, model):
-        unit.reshard()
+    for unit in model.fsdp_units:
+        unit[0].reshard()
     for p in fsdp_params(model):
         p.unsharded_accumulated_grad = None
         if hasattr(p, "_unsharded_param"):  # made at a unit's first gather

@@ -561,18 +561,19 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 
 def whole_parameters(model: Qwen3):
-    """(name, weight) of each weight, whole. FSDP2-sharded: a unit's (the root's, then each block's) gathered
+    """(name, weight) of each weight, whole. FSDP2-sharded: a unit's (a few blocks', the root's) gathered
     in one collective and copied out (FSDP2 frees them, also if the reader stops); every rank reads all."""
     if not hasattr(model, "unshard"):
         yield from model.named_parameters()
         return
-    for prefix, unit in [("", model), *((f"layers.{i}.", layer) for i, layer in enumerate(model.layers))]:
-        unit.unshard()
+    names = {module: name for name, module in model.named_modules()}
+    for unit in model.fsdp_units:  # a few blocks at a time, then the root: a unit's modules gathered together
+        unit[0].unshard()
         try:
-            yield from ((prefix + name, p.detach().clone()) for name, p in unit.named_parameters()
-                        if not (unit is model and name.startswith("layers.")))  # the root's own
+            yield from ((name, p.detach().clone()) for m in unit for name, p in m.named_parameters(names[m])
+                        if not (m is model and name.startswith("layers.")))  # the root's own
         finally:
-            unit.reshard()
+            unit[0].reshard()
 
 
 def hf_weights(model: Qwen3):
@@ -952,7 +953,7 @@ def reduce_gradients_after(model: Qwen3, i: int, count: int) -> None:
     """Before micro-batch i of `count`, and after the last (i = count). With `keep_gathered`, FSDP2 gathers
     in the first forward and keeps the weights to the last backward, which reduce-scatters the fp32 gradient
     sums (by default: both every micro-batch); then its defaults: a later forward keeps no stale copy."""
-    if getattr(model, "keep_gathered", False):
+    if getattr(model, "keep_gathered", False) and i in (0, count - 1, count):  # each set walks every module
         model.set_reshard_after_forward(i >= count)
         model.set_requires_gradient_sync(i >= count - 1)
         model.set_reshard_after_backward(i >= count - 1)
@@ -1035,8 +1036,7 @@ SAMPLER_PROBABILITY_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 
 
 def mismatch_by_probability(v: torch.Tensor, t: torch.Tensor) -> dict:
-    """Per non-empty bucket of sampler probability (mismatch grows as it goes to 0): mean |logprob diff|,
-    k3 KL and token share."""
+    """Per non-empty bucket of sampler probability (mismatch grows toward 0): |logprob diff|, k3 KL, share."""
     p, metrics, edges = v.exp(), {}, SAMPLER_PROBABILITY_BUCKETS
     for low, high in zip(edges, edges[1:]):
         tokens = (p >= low) & ((p < high) if high < 1 else (p <= high))
