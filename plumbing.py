@@ -820,7 +820,7 @@ def memory_plan(shape: ModelShape, args, gpus: int, gpu_bytes: int, keep_gathere
     if gpus > 1 and keep_gathered:  # the whole bf16 weights, their gradients summed whole in fp32
         # and a unit's sums copied to be reduce-scattered (gathered, in the first forward: no sums yet)
         fsdp = {"weights gathered": 2 * n,
-                "unsharded fp32 gradients": 4 * n + 4 * BLOCKS_PER_UNIT_KEPT_GATHERED * block}
+                "unsharded fp32 gradients": 4 * n + 4 * blocks_per_unit(block) * block}
     elif gpus > 1:
         fsdp["gathered by FSDP2"] = 2 * (n - model_args.n_layers * block) + 4 * block + 6 * block
     context = {"CUDA context": CUDA_CONTEXT_BYTES}
@@ -984,7 +984,14 @@ def agreed_run_name(args, world):
     return dataclasses.replace(args, run=dataclasses.replace(args.run, run_name=name[0]))
 
 
-BLOCKS_PER_UNIT_KEPT_GATHERED = 4
+KEPT_GATHERED_UNIT_BYTES = 1 * GiB
+
+
+def blocks_per_unit(block: int) -> int:
+    """Kept gathered, an FSDP2 unit's blocks (of `block` parameters each): as many as hold
+    `KEPT_GATHERED_UNIT_BYTES` of fp32 gradient sums, which its reduce-scatter copies; at least one. The
+    0.6B shape 17, 1.7B 5, 4B 2, 8B and 30B-A3B 1."""
+    return max(1, int(KEPT_GATHERED_UNIT_BYTES // (4 * block)))
 
 
 def shard_model(model, world, keep_gathered: bool = False):
@@ -992,7 +999,7 @@ def shard_model(model, world, keep_gathered: bool = False):
     reduce-scatter as fp32 sums, not means: the loss is already divided by all ranks' token count.
     `keep_gathered`: a step gathers the weights and reduce-scatters once (simple_rl's
     `reduce_gradients_after`); its weight-gradient GEMMs add into FSDP2's fp32 sums
-    (`gradient_sums_in_place`), in units of `BLOCKS_PER_UNIT_KEPT_GATHERED` blocks: FSDP2's hooks run a unit
+    (`gradient_sums_in_place`), in units of `blocks_per_unit` blocks: FSDP2's hooks run a unit
     at a time each micro-batch (a 1.7B step's 16 forwards on a 2-GPU rank, a unit a block: +0.15-0.22 s,
     +30-40%, of its host's time; its GPU waited on its host in bench's step), and kept gathered a unit's size
     sets only its collectives' buffers. `model.fsdp_units`: each unit's modules, the root last."""
@@ -1001,8 +1008,8 @@ def shard_model(model, world, keep_gathered: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(model.device.type, (world.size,))
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    size = BLOCKS_PER_UNIT_KEPT_GATHERED if keep_gathered else 1
     blocks = list(model.layers)
+    size = blocks_per_unit(sum(p.numel() for p in blocks[0].parameters())) if keep_gathered else 1
     # blocks before the root, whose unit takes the parameters no other unit took
     model.fsdp_units = [blocks[i: i + size] for i in range(0, len(blocks), size)] + [[model]]
     for unit in model.fsdp_units:

@@ -86,7 +86,8 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> 
     weights = {name: simple_rl.gathered(p).detach().clone() for name, p in model.named_parameters()}
     hf = {name: w.clone() for name, w in simple_rl.hf_weights(model)}  # gathered one by one
     micro_batches = len(simple_rl.packed_micro_batches(rollouts.prompts, rollouts.completions, 40, "cpu", world))
-    return {"weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas, "hf": hf,
+    units = len(getattr(model, "fsdp_units", []))
+    return {"units": units, "weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas, "hf": hf,
             "grads": grads, "checksum": checksum, "trace": locator, "calls": calls, "micro_batches": micro_batches,
             "summed_in_place": summed_in_place}
 
@@ -265,9 +266,9 @@ def test_processes_make_the_update_of_one(tmp_path, processes, keep_gathered, ex
     two = torch.load(tmp_path / "two.pt")
 
     assert two["checksum"] == single["checksum"]
-    # FSDP2's units: a block each (kept gathered, a few blocks each), and the root
-    units = -(-3 // (plumbing.BLOCKS_PER_UNIT_KEPT_GATHERED if keep_gathered else 1)) + 1
-    micro_batches = two["micro_batches"]
+    # FSDP2's units: a block each, or kept gathered the 3 tiny blocks together; and the root
+    units, micro_batches = two["units"], two["micro_batches"]
+    assert units == (2 if keep_gathered else 3 + 1)
     assert micro_batches >= 6 // processes and two["calls"]["reduce_scatter_tensor"] == units * (
         1 if keep_gathered else micro_batches)
     gathers = two["calls"]["all_gather_into_tensor"]  # kept gathered: from the first forward to the last backward

@@ -217,6 +217,19 @@ def test_a_sharded_trainer_keeps_a_steps_weights_gathered_where_they_fit():
     assert plumbing.check_memory(shape("1.7b"), flags(), 1, H100, None).keep_gathered is False
 
 
+def test_kept_gathered_a_units_reduce_scatter_copies_at_most_a_gib_of_sums():
+    """FSDP2's hooks run a unit at a time, each micro-batch, on the host that launches the GPU's work: kept
+    gathered, a unit is as many blocks as hold 1 GiB of fp32 gradient sums (its reduce-scatter's copy, which the
+    plan counts); a larger block is a unit alone."""
+    units = {name: plumbing.blocks_per_unit(plumbing.parameter_counts(shape(name))[1]) for name in SHAPES}
+    assert units == {"1.7b": 5, "4b": 2, "8b": 1}
+    for name, blocks in units.items():
+        block = plumbing.parameter_counts(shape(name))[1]
+        assert 4 * blocks * block <= GiB or blocks == 1
+        kept = plumbing.memory_plan(shape(name), flags(), 2, H200, keep_gathered=True)["training"]
+        assert kept["unsharded fp32 gradients"] == 4 * plumbing.parameter_counts(shape(name))[0] + 4 * blocks * block
+
+
 def test_vllm_stays_awake_where_its_share_fits_beside_the_training_phase():
     """Then the engine runs without sleep mode: no sleep or wake, no allocations made anew each step. The
     1.7B shape on one or two H200s (its training phase planned at 130 of 136 usable GiB beside vLLM's half of
