@@ -46,6 +46,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """Each test starts with this process's torch threads: a test that runs the script's `main` on a "cuda"
+    device takes its one host thread (`plumbing.init_distributed`), and a later test's CPU matmuls would then
+    sum in another order than its spawned workers' (a reference update one process made differed from two's)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def free_dead_engines() -> None:
     """The GPU memory of engines no test holds any more, back to the driver (for a new engine, or the script
     run in a subprocess). vLLM's engine start moves every live object into the collector's permanent
