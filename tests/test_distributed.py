@@ -43,7 +43,7 @@ def step_rollouts(model) -> simple_rl.Rollouts:
                               rewards, simple_rl.group_advantages(rewards, G, True))
 
 
-def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> dict:
+def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False, unit_blocks: int = 0) -> dict:
     model = simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32)
     rollouts = step_rollouts(model)
     world = simple_rl.World(rank, size)
@@ -51,6 +51,9 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False) -> 
         share = world.share(len(rollouts.prompts))
         rollouts = dataclasses.replace(rollouts, **{f.name: getattr(rollouts, f.name)[share]
                                                     for f in dataclasses.fields(rollouts) if f.name != "sampler_experts"})
+        if unit_blocks:  # kept gathered, FSDP2's units of this many blocks (else the tiny blocks in one)
+            block = sum(p.numel() for p in model.layers[0].parameters())
+            plumbing.KEPT_GATHERED_UNIT_BYTES = 4 * unit_blocks * block
         plumbing.shard_model(model, world, keep_gathered)
     checksum = simple_rl.trainer_checksum(model, world)  # of the whole weights, from the shards
     locator = trace(model, rollouts.prompts[0] + rollouts.completions[0])  # the locator's
@@ -109,10 +112,10 @@ def torchrun_env(rank: int, world: int, port: int) -> None:
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
 
 
-def worker(rank: int, world: int, port: int, model_dir, out, keep_gathered: bool) -> None:
+def worker(rank: int, world: int, port: int, model_dir, out, keep_gathered: bool, unit_blocks: int = 0) -> None:
     torchrun_env(rank, world, port)
     assert plumbing.init_distributed("cpu") == (rank, world)
-    result = one_update(model_dir, rank, world, keep_gathered)
+    result = one_update(model_dir, rank, world, keep_gathered, unit_blocks)
     if rank == 0:
         torch.save(result, out)
     leave()
@@ -257,18 +260,20 @@ def test_processes_make_the_update_of_one(tmp_path, processes, keep_gathered, ex
     """FSDP2 gathering the weights at every micro-batch, or once a step (its gradients then reduce-scattered
     once, after the last micro-batch): the update of one process. A mixture of experts too (its (E, ...)
     expert tensors sharded by expert; its routing metrics summed over the ranks). Four processes: a GRPO
-    group each; with 2 experts, two ranks hold none of the experts' weights (empty shards)."""
+    group each; with 2 experts, two ranks hold none of the experts' weights (empty shards); kept gathered,
+    FSDP2 units of 2 blocks and of 1 (the push's names and weights gathered a unit at a time)."""
     config = qwen3_config(layers=3, experts=experts, experts_per_token=2, moe_intermediate=32)
     model_dir = write_checkpoint(tmp_path / "model", config, seed=1)
     single = one_update(model_dir, 0, 1)
-    mp.spawn(worker, args=(processes, free_port(), model_dir, tmp_path / "two.pt", keep_gathered),
+    unit_blocks = 2 if keep_gathered and processes == 4 else 0  # units of 2 blocks and 1, then the root's
+    mp.spawn(worker, args=(processes, free_port(), model_dir, tmp_path / "two.pt", keep_gathered, unit_blocks),
              nprocs=processes)
     two = torch.load(tmp_path / "two.pt")
 
     assert two["checksum"] == single["checksum"]
     # FSDP2's units: a block each, or kept gathered the 3 tiny blocks together; and the root
     units, micro_batches = two["units"], two["micro_batches"]
-    assert units == (2 if keep_gathered else 3 + 1)
+    assert units == (3 if unit_blocks else 2 if keep_gathered else 3 + 1)
     assert micro_batches >= 6 // processes and two["calls"]["reduce_scatter_tensor"] == units * (
         1 if keep_gathered else micro_batches)
     gathers = two["calls"]["all_gather_into_tensor"]  # kept gathered: from the first forward to the last backward
