@@ -995,8 +995,9 @@ def blocks_per_unit(block: int) -> int:
 
 
 def shard_model(model, world, keep_gathered: bool = False):
-    """FSDP2, a unit per block plus the root (embedding, final norm, maybe-tied lm_head). Gradients
-    reduce-scatter as fp32 sums, not means: the loss is already divided by all ranks' token count.
+    """FSDP2, a unit per block (kept gathered, a few) plus the root (embedding, final norm, maybe-tied
+    lm_head). Gradients reduce-scatter as fp32 sums, not means: the loss is already divided by all ranks'
+    token count.
     `keep_gathered`: a step gathers the weights and reduce-scatters once (simple_rl's
     `reduce_gradients_after`); its weight-gradient GEMMs add into FSDP2's fp32 sums
     (`gradient_sums_in_place`), in units of `blocks_per_unit` blocks: FSDP2's hooks run a unit

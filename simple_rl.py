@@ -1036,7 +1036,7 @@ SAMPLER_PROBABILITY_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 
 
 def mismatch_by_probability(v: torch.Tensor, t: torch.Tensor) -> dict:
-    """Per non-empty bucket of sampler probability (mismatch grows toward 0): |logprob diff|, k3 KL, share."""
+    """Per non-empty bucket of sampler probability (mismatch grows toward 0): mean |diff|, k3 KL, share."""
     p, metrics, edges = v.exp(), {}, SAMPLER_PROBABILITY_BUCKETS
     for low, high in zip(edges, edges[1:]):
         tokens = (p >= low) & ((p < high) if high < 1 else (p <= high))
