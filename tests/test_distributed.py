@@ -44,7 +44,9 @@ def step_rollouts(model) -> simple_rl.Rollouts:
 
 
 def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False, unit_blocks: int = 0) -> dict:
-    model = simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32)
+    # units of a few blocks: with activation checkpointing, whose recomputation runs FSDP2's hooks again
+    model = simple_rl.load_qwen3(model_dir, "cpu", dtype=torch.float32,
+                                 activation_checkpointing=unit_blocks > 0)
     rollouts = step_rollouts(model)
     world = simple_rl.World(rank, size)
     if size > 1:  # this rank's whole groups, as the script deals them
@@ -261,7 +263,8 @@ def test_processes_make_the_update_of_one(tmp_path, processes, keep_gathered, ex
     once, after the last micro-batch): the update of one process. A mixture of experts too (its (E, ...)
     expert tensors sharded by expert; its routing metrics summed over the ranks). Four processes: a GRPO
     group each; with 2 experts, two ranks hold none of the experts' weights (empty shards); kept gathered,
-    FSDP2 units of 2 blocks and of 1 (the push's names and weights gathered a unit at a time)."""
+    FSDP2 units of 2 blocks and of 1 (the push's names and weights gathered a unit at a time), with activation
+    checkpointing."""
     config = qwen3_config(layers=3, experts=experts, experts_per_token=2, moe_intermediate=32)
     model_dir = write_checkpoint(tmp_path / "model", config, seed=1)
     single = one_update(model_dir, 0, 1)
