@@ -1001,10 +1001,10 @@ def shard_model(model, world, keep_gathered: bool = False):
     `keep_gathered`: a step gathers the weights and reduce-scatters once (simple_rl's
     `reduce_gradients_after`); its weight-gradient GEMMs add into FSDP2's fp32 sums
     (`gradient_sums_in_place`), in units of `blocks_per_unit` blocks: FSDP2's hooks run a unit
-    at a time each micro-batch (a 1.7B step's 16 forwards on a 2-GPU rank, a unit a block: +0.15-0.22 s,
-    +30-40%, of its host's time; its GPU waited on its host in bench's step; on a CPU, 28 blocks, 5 a unit:
-    +3.1-4.3 ms a micro-batch over an unsharded trainer, +8.7-9.3 ms a block a unit), and kept gathered a
-    unit's size sets only its collectives' buffers. `model.fsdp_units`: each unit's modules, the root last."""
+    at a time each micro-batch, on the host that launches the GPU's work (a 1.7B step's 16 forwards on a
+    2-GPU rank, a unit a block: +0.15-0.22 s of host time; on a CPU, 28 blocks: +8.7-9.3 ms a micro-batch over
+    an unsharded trainer, +3.1-4.3 ms at 5 a unit), and kept gathered a unit's size sets only its
+    collectives' buffers. `model.fsdp_units`: each unit's modules, the root last."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

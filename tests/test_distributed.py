@@ -164,19 +164,16 @@ def test_a_gpu_trainer_runs_torchs_host_work_on_one_thread(monkeypatch):
     write) a region waits for one the kernel put off (1.7B train phase on one H200: 3.7 s, 5.4-6.5 s beside
     one busy process; one thread: 3.7-4.0 s). A GPU trainer alone takes one thread unless OMP_NUM_THREADS
     says otherwise; a host AdamW's process keeps its cores. No GPU is touched: one process joins nothing."""
-    before, host = torch.get_num_threads(), 4  # a host of several threads, whatever this one has
+    host = 4  # a host of several threads, whatever this one has (conftest's `torch_threads` restores it)
     for name in ("OMP_NUM_THREADS", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    try:
-        torch.set_num_threads(host)
-        assert plumbing.init_distributed("cuda", host_adamw=True) == (0, 1) and torch.get_num_threads() == host
-        assert plumbing.init_distributed("cuda") == (0, 1) and torch.get_num_threads() == 1
-        torch.set_num_threads(host)
-        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
-        plumbing.init_distributed("cuda")
-        assert torch.get_num_threads() == host
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(host)
+    assert plumbing.init_distributed("cuda", host_adamw=True) == (0, 1) and torch.get_num_threads() == host
+    assert plumbing.init_distributed("cuda") == (0, 1) and torch.get_num_threads() == 1
+    torch.set_num_threads(host)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+    plumbing.init_distributed("cuda")
+    assert torch.get_num_threads() == host
 
 
 def interrupted_worker(rank: int, world: int, port: int, model_dir, out) -> None:
