@@ -567,6 +567,18 @@ def weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor):
     return None
 
 
+def into_gradient_sum(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    """A weight's bf16 gradient added to its fp32 sum (`main_grad`) if it has one, the add
+    `MasterWeights.fold` makes once autograd has stored it, and None returned: autograd then stores no
+    gradient and calls no hook (the host's work a norm, 113 a 1.7B micro-batch). Else the gradient, for
+    autograd. `weight`: the parameter the forward was given (`ctx.weight`, as for `weight_grad`)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return grad
+    main_grad.add_(grad)
+    return None
+
+
 class BatchInvariantLinear(torch.autograd.Function):
     """`tiled_linear`: vLLM's Triton persistent matmul (fp32 accumulation in a fixed order whatever the
     number of rows), the op behind every linear layer of vLLM in batch-invariant mode.
@@ -665,11 +677,13 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
     Backward, with r = rsqrt(mean(x^2) + eps) and gw = dy * w:
     dx = r * (gw - x * r^2 * mean(gw * x)), dw = sum over rows of dy * x * r; on CUDA in one Triton pass
     (`rms_norm_backward`), on the CPU in plain PyTorch. With the add, the sum's own gradient (from the layers
-    above) is added to dx as autograd's bf16 add would, and the total is the gradient of x and of residual."""
+    above) is added to dx as autograd's bf16 add would, and the total is the gradient of x and of residual.
+    dw goes into the weight's fp32 sum if it has one (`into_gradient_sum`)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, residual=None):
         ctx.eps, ctx.add = eps, residual is not None
+        ctx.weight = weight  # the parameter, for its `main_grad`
         ctx.set_materialize_grads(False)  # an unused output's gradient is None, not zeros to add
         if x.is_cuda:
             out = rms_norm_rows(x, weight, eps, residual)  # vLLM's add and norm, their bits
@@ -693,6 +707,7 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
             grad_x = (inv_rms * (gw - xf * inv_rms.pow(2) * (gw * xf).mean(-1, keepdim=True))).to(x.dtype)
             grad_w = (g * xf * inv_rms).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
             grad_x = grad_x if grad_summed is None else grad_x + grad_summed
+        grad_w = into_gradient_sum(ctx.weight, grad_w) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, grad_x if ctx.add else None
 
 

@@ -31,7 +31,7 @@ def random_model(checkpointing: bool = False, layers: int = 28) -> simple_rl.Qwe
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_micro_batch_allocates_no_more_than_planned(checkpointing):
     """Beyond the weights, the masters, AdamW's moments and the step's fp32 gradient sums: the activations and
-    the bf16 gradients, each added to its sum as it is made (by its kernel; the norms' by `fold`)."""
+    the bf16 gradients, each added to its sum as it is made (by its kernel; the norms' by their backward)."""
     model = random_model(checkpointing)
     simple_rl.MasterWeights(model, 1e-6, 0.0).zero_grads()
     g = torch.Generator().manual_seed(0)

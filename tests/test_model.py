@@ -117,8 +117,9 @@ def test_token_logprobs_and_gradients_match_reference(name):
 @pytest.mark.parametrize("name", ["tied-gqa", "untied-gqa", "moe"])
 def test_a_steps_gradient_sums_are_the_same_with_recomputed_activations(name):
     """`MasterWeights`' fp32 sums over two bf16 micro-batches: a linear weight's products added to its sum in
-    the matmul (`weight_grad`), the other weights' bf16 gradients folded in; each to bf16 rounding plain
-    autograd's gradient (once each: none lost, none counted twice). Bit for bit the same with
+    the matmul (`weight_grad`), the other weights' bf16 gradients added in (a norm's by its backward); each
+    to bf16 rounding plain autograd's gradient (once each: none lost, none counted twice), a norm's bit for
+    bit the fp32 sum of plain autograd's micro-batch gradients. Bit for bit the same with
     --activation-checkpointing, whose recomputation hands the backward detached copies of the weights."""
     config = ALL_CONFIGS[name]
     args = simple_rl.model_args_from_hf_config(config)
@@ -139,6 +140,15 @@ def test_a_steps_gradient_sums_are_the_same_with_recomputed_activations(name):
         sums.append({n: p.main_grad for n, p in optimizer.named})
     plain = simple_rl.Qwen3(args, EXACT, torch.bfloat16)  # no MasterWeights: autograd's bf16 .grad
     plain.load_state_dict(weights)
+    folded = {}  # each micro-batch's bf16 gradient of a norm, added in fp32
+    for batch in batches:
+        plain.zero_grad()
+        plain(batch).logprobs.sum().backward()
+        for n, p in plain.named_parameters():
+            if "norm" in n:
+                folded[n] = folded.get(n, 0) + p.grad.float()
+    assert folded and all(torch.equal(sums[0][n], total) for n, total in folded.items())
+    plain.zero_grad()
     for batch in batches:
         plain(batch).logprobs.sum().backward()
     for n, p in plain.named_parameters():
