@@ -569,8 +569,8 @@ def weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor):
 
 def into_gradient_sum(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
     """A weight's bf16 gradient added to its fp32 sum (`main_grad`) if it has one, the add
-    `MasterWeights.fold` makes once autograd has stored it, and None returned: autograd then stores no
-    gradient and calls no hook (the host's work a norm, 113 a 1.7B micro-batch). Else the gradient, for
+    `MasterWeights.fold` makes once autograd has stored it, and None returned: autograd then neither stores
+    it nor calls a hook, host work saved for each of a 1.7B micro-batch's 113 norms. Else the gradient, for
     autograd. `weight`: the parameter the forward was given (`ctx.weight`, as for `weight_grad`)."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
