@@ -124,6 +124,14 @@ def visible_gpus() -> list[str]:
     return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
 
 
+def host_cpu() -> str:
+    """The host's CPU model and the cores this process may use: a step's launches and Python run there, and
+    the same GPUs on another host moved the 2-GPU ratios more than most changes did."""
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else []
+    return f"{names[0] if names else 'a CPU'}, {len(os.sched_getaffinity(0))} cores"
+
+
 # --- the two sides of the step benchmark ------------------------------------------------------------
 
 
@@ -458,7 +466,7 @@ def run_side(side: str, ckpt: Path, args) -> dict:
         "forward_ms": [m["forward_ms"] for _, m in results],
         "host": [m.get("host") for _, m in results],  # the exact side's (`host_counters`)
         "sampled_tokens": results[0][1]["sampled_tokens"],
-        "device": torch.cuda.get_device_name(),
+        "device": f"{torch.cuda.get_device_name()} (host: {host_cpu()})",
         "pinning": pinning,
         "saves": saves,
     }
@@ -889,8 +897,9 @@ def scaling_benchmark(args) -> dict:
         runs = {"1 GPU": script_run(1, model, workdir, args),
                 f"{n} GPUs": script_run(n, model, workdir, args, name="strong"),
                 f"{n} GPUs, {n}x": script_run(n, model, workdir, args, name="weak", prompts=n * args.prompts)}
-    print(scaling_lines(runs, n, args, torch.cuda.get_device_name()))
-    return runs | scaling_ratios(runs, n)
+    device = f"{torch.cuda.get_device_name()} (host: {host_cpu()})"
+    print(scaling_lines(runs, n, args, device))
+    return runs | scaling_ratios(runs, n) | {"device": device}
 
 
 def scaling_ratios(runs: dict, n: int) -> dict:

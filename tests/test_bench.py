@@ -124,6 +124,16 @@ def test_scaling_reports_strong_and_weak_scaling_and_the_trainers_cost_per_token
                          "mismatched tokens [0, 0]")
 
 
+def test_a_benchmark_names_the_host_it_ran_on(monkeypatch):
+    """The CPU's model (its first "model name") and the cores this process may use."""
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        "processor\t: 0\nmodel name\t: AMD EPYC 9654 96-Core Processor\nmodel name\t: other\n"
+        if str(self) == "/proc/cpuinfo" else real(self, *a, **k)))
+    assert bench.host_cpu() == "AMD EPYC 9654 96-Core Processor, 3 cores"
+
+
 def test_the_profile_tables_rank_kernels_by_gpu_time():
     def event(key, count, us):
         return SimpleNamespace(key=key, count=count, self_device_time_total=us)
