@@ -1194,10 +1194,11 @@ def checkpoints_before(run_dir: Path, step: int) -> list[Path]:
 
 
 class Checkpoints:
-    """<output_dir>/<run_name>/step_N, written as training goes on: `save` copies what the step left to host
-    memory, which dcp.async_save's thread (not a process: it writes the copies where they lie) writes; `wait`
-    (before the next save, at the last step, on an error) renames it once whole, keeping --keep-last. DCP's
-    writer stages with `stage` and finishes with `finish`, in one thread (DCP drops a writer thread's error).
+    """<output_dir>/<run_name>/step_N, written as training goes on: `save` queues copies of what the step left
+    to host memory and returns; dcp.async_save's thread (not a process: it writes the copies where they lie)
+    writes them once they landed; `wait` (before the next save, at the last step, on an error) renames it once
+    whole, keeping --keep-last. DCP's writer stages with `stage`, writes with `write_data` and finishes with
+    `finish`, in one thread (DCP drops a writer thread's error).
     `hf_weights()`: the model's (HF name, tensor) pairs, gathered if sharded (every rank iterates them);
     `model_dir`: the checkpoint whose config and tokenizer a save copies."""
     under_way = None  # the instance whose save is being written: one at a time in a process
@@ -1207,10 +1208,19 @@ class Checkpoints:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         # Page cache only (syncing doubled the save time): a kill keeps every save, a power cut earlier ones.
-        # Host tensors only: no copy ahead, so no CUDA stream in DCP's thread (on GPU 0, whatever the rank).
+        # Host tensors only: no copy ahead, whose CUDA stream DCP's thread would make on GPU 0, whatever the
+        # rank.
         self.writer = dcp.FileSystemWriter(args.run.output_dir, sync_files=False, per_thread_copy_ahead=0)
         self.write_metadata = self.writer.finish  # DCP's own finish, which ours calls first
         self.writer.finish, self.writer.stage = self.finish, self.stage
+        self.writer.write_data = self.write_data
+        # The GPU's state goes to the host on a stream of its own, beside the next step's generation; AdamW,
+        # the one writer of what a save copies, waits for those copies on the GPU (no cycle to self).
+        device = next(model.parameters()).device
+        self.copies = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.copies is not None:
+            optimizer.optimizer.register_step_pre_hook(
+                lambda *_, copies=self.copies: torch.cuda.current_stream().wait_stream(copies))
         self.model, self.hf_weights, self.optimizer, self.ref_model, self.model_dir, self.args, self.world = (
             model, hf_weights, optimizer, ref_model, model_dir, args, world)
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # `save`; vLLM's NCCL
@@ -1225,17 +1235,28 @@ class Checkpoints:
                         "weights": {name: self.stage(t) for name, t in hf_weights() if world.is_main}})
 
     def stage(self, t):
-        """In host memory training leaves alone: GPU tensors in PyTorch's pinned memory (freed, it serves the
-        next save), host scalars cloned, other host tensors (offloaded: not copied) as they lie."""
+        """In host memory training leaves alone: GPU tensors copied into PyTorch's pinned memory (freed, it
+        serves the next save) on the stream `copies`, which `write_data` waits for; host scalars cloned, other
+        host tensors (offloaded: not copied) as they lie."""
         import torch
         if isinstance(t, dict):
             return {k: self.stage(v) for k, v in t.items()}
         local = t.to_local() if hasattr(t, "to_local") else t  # this rank's shard
         if not local.is_cuda:
             return t.clone() if t.dim() == 0 else t
-        local = local.to("cpu", non_blocking=True)  # non_blocking: into PyTorch's cache of pinned host memory
-        torch.cuda.current_stream().synchronize()
-        return shard_like(local, t)
+        self.copies.wait_stream(torch.cuda.current_stream())  # the tensor as the step left it
+        local.record_stream(self.copies)  # a gathered weight, freed now, is not reused before its copy
+        with torch.cuda.stream(self.copies):  # non_blocking: into PyTorch's cache of pinned host memory
+            return shard_like(local.to("cpu", non_blocking=True), t)
+
+    def write_data(self, plan, planner):
+        """DCP's thread: writes this rank's part once `stage`'s copies landed (on this rank's GPU, not GPU 0,
+        the thread's default)."""
+        import torch
+        if self.copies is not None:
+            with torch.cuda.device(self.copies.device):
+                self.copies.synchronize()
+        return type(self.writer).write_data(self.writer, plan, planner)
 
     def save(self, step: int, totals: dict, tensorboard=None) -> None:
         """Starts writing step_N; `held`: the seconds training waited (the last step waits for the write)."""

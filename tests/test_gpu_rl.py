@@ -235,9 +235,10 @@ def test_qwen3_thinking_mode_sampling_is_bitwise(tmp_path):
 
 
 def test_a_save_copies_the_gpu_state_and_adamw_goes_on_beneath_its_write(tmp_path, monkeypatch):
-    """On the GPU a save copies the weights and training state to host memory and returns; AdamW steps
-    while the write is held (nothing waits), yet the checkpoint, once written, holds the state of the step that
-    saved, bit for bit."""
+    """On the GPU a save queues copies of the weights and training state to host memory and returns before
+    they land (held here behind a sleep on their stream); AdamW's next step is queued at once, while the write
+    is held, yet the checkpoint, once written, holds the state of the step that saved, bit for bit: AdamW
+    waited for the copies on the GPU."""
     import threading
 
     from safetensors.torch import load_file
@@ -255,9 +256,13 @@ def test_a_save_copies_the_gpu_state_and_adamw_goes_on_beneath_its_write(tmp_pat
     weights = {name: w.cpu() for name, w in simple_rl.hf_weights(model)}
     release, write_data = threading.Event(), FileSystemWriter.write_data
     monkeypatch.setattr(FileSystemWriter, "write_data", lambda *a: release.wait(60) and write_data(*a))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(checkpoints.copies):
+        torch.cuda._sleep(2_000_000_000)  # about a second: the copies land after AdamW's step is queued
     checkpoints.save(1, {"tokens_checked": 0, "mismatched_tokens": 0})
-    adam_step(optimizer, 1)  # returns: the GPU's state was copied, nothing waits for the write
-    assert not release.is_set()
+    assert not checkpoints.copies.query()  # returned before its copies landed
+    adam_step(optimizer, 1)  # its gradient norm's read waits for AdamW, which waited for the copies
+    assert not release.is_set()  # the write still held
     release.set()
     checkpoints.wait()
     out = tmp_path / "checkpoints" / "r" / "step_000001"
