@@ -159,16 +159,16 @@ def completion_lengths(args, step: int) -> list[int]:
 
 class EngineSteps:
     """Times vLLM's engine (of `vllm.LLM` `llm`) from now on: each step's seconds (a decode step of every
-    running sequence, or a prefill chunk) and the GPU milliseconds of its model runner's `execute_model` (the
-    inputs' copies and the forward; CUDA events). The rest of a step is vLLM's host work (scheduler, inputs,
-    outputs): at 256 sequences on an H100 (V1 runner), 7.4 ms of forward in steps of 9.5-15 ms, the host's
-    speed moving by half between generations."""
+    running sequence, or a prefill chunk) and the GPU milliseconds of its model runner's two calls (CUDA
+    events): `execute_model` (the inputs' copies and the forward; the V1 runner's logits too) and
+    `sample_tokens` (the sampler; the V2 runner's logits too). What the GPU does not take of a step is vLLM's
+    host work (scheduler, inputs, outputs): at 256 sequences on an H100 (V1 runner), 7.4 ms of forward in steps
+    of 9.5-15 ms, the host's speed moving by half between generations."""
 
     def __init__(self, llm):
-        self.seconds, self.forwards = [], []
+        self.seconds, self.gpu = [], {"forward_ms": [], "sample_ms": []}
         step = llm.llm_engine.step
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        forward = runner.execute_model
 
         def timed_step():
             start = time.perf_counter()
@@ -176,22 +176,28 @@ class EngineSteps:
             self.seconds.append(time.perf_counter() - start)
             return out
 
-        def timed_forward(*args, **kwargs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = forward(*args, **kwargs)
-            end.record()
-            self.forwards.append((start, end))
-            return out
-        llm.llm_engine.step, runner.execute_model = timed_step, timed_forward
+        def timed(call, events: list):
+            def on_the_gpu(*args, **kwargs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = call(*args, **kwargs)
+                end.record()
+                events.append((start, end))
+                return out
+            return on_the_gpu
+        llm.llm_engine.step = timed_step
+        runner.execute_model = timed(runner.execute_model, self.gpu["forward_ms"])
+        runner.sample_tokens = timed(runner.sample_tokens, self.gpu["sample_ms"])
 
     def medians(self) -> dict:
-        """The median engine step and forward, in ms, of the steps since the last call."""
-        torch.cuda.synchronize()  # every timed forward has ended
-        out = {"engine_step_ms": 1e3 * statistics.median(self.seconds),
-               "forward_ms": statistics.median(start.elapsed_time(end) for start, end in self.forwards)}
+        """The median engine step, forward and sampling, in ms, of the steps since the last call."""
+        torch.cuda.synchronize()  # every timed call has ended on the GPU
+        out = {"engine_step_ms": 1e3 * statistics.median(self.seconds)} | {
+            name: statistics.median(start.elapsed_time(end) for start, end in events)
+            for name, events in self.gpu.items()}
         self.seconds.clear()
-        self.forwards.clear()
+        for events in self.gpu.values():
+            events.clear()
         return out
 
 
@@ -464,6 +470,7 @@ def run_side(side: str, ckpt: Path, args) -> dict:
         "mismatched_tokens": [m.get("mismatched_tokens") for _, m in results],
         "engine_step_ms": [m["engine_step_ms"] for _, m in results],
         "forward_ms": [m["forward_ms"] for _, m in results],
+        "sample_ms": [m["sample_ms"] for _, m in results],
         "host": [m.get("host") for _, m in results],  # the exact side's (`host_counters`)
         "sampled_tokens": results[0][1]["sampled_tokens"],
         "device": f"{torch.cuda.get_device_name()} (host: {host_cpu()})",
@@ -694,6 +701,7 @@ def combine(runs: list[dict]) -> dict:
     out["mismatched_tokens"] = [n for run in runs for n in run["mismatched_tokens"]]
     out["engine_step_ms"] = [ms for run in runs for ms in run.get("engine_step_ms", [])]
     out["forward_ms"] = [ms for run in runs for ms in run.get("forward_ms", [])]
+    out["sample_ms"] = [ms for run in runs for ms in run.get("sample_ms", [])]
     out["saves"] = [save_costs(run) for run in runs if run.get("saves")]
     out |= {key: runs[0][key] for key in ("sampled_tokens", "device")}
     return out
@@ -785,8 +793,9 @@ def step_benchmark(args) -> dict:
           f"{exact['sampled_tokens']}")
     for name, r in results.items():  # a slow generation: slow in every engine step? on the GPU or the host?
         print(f"  {name}: a vLLM engine step's median, timed step by step: "
-              + ", ".join(f"{ms:.1f}" for ms in r["engine_step_ms"]) + " ms; its model forward on the GPU: "
-              + ", ".join(f"{ms:.1f}" for ms in r["forward_ms"]) + " ms")
+              + ", ".join(f"{ms:.1f}" for ms in r["engine_step_ms"]) + " ms; on the GPU its model forward "
+              + ", ".join(f"{ms:.1f}" for ms in r["forward_ms"]) + " ms, its sampling "
+              + ", ".join(f"{ms:.2f}" for ms in r["sample_ms"]) + " ms")
     if exact["saves"]:
         print(save_lines(exact["saves"], args.save_every))
     results["step_ratio"] = exact["step"] / standard["step"]

@@ -18,7 +18,8 @@ import plumbing
 def process(*steps):
     return {"steps": [dict(generate=g, train=t, push=0.2) for g, t in steps], "peak_gib": [70.0],
             "mismatched_tokens": [0] * len(steps), "checkpoint_s": 20.0, "sampled_tokens": 131072, "device": "H100",
-            "engine_step_ms": [8.0 + g for g, _ in steps], "forward_ms": [1.0 + g for g, _ in steps]}
+            "engine_step_ms": [8.0 + g for g, _ in steps], "forward_ms": [1.0 + g for g, _ in steps],
+            "sample_ms": [g / 10 for g, _ in steps]}
 
 
 def test_a_side_has_its_medians_and_the_spread_of_its_processes():
@@ -28,10 +29,10 @@ def test_a_side_has_its_medians_and_the_spread_of_its_processes():
     assert side["spread"]["step"] == pytest.approx((6.2 + 4.1 + 0.2, 7.1 + 4.5 + 0.2))
 
 
-def test_each_timed_step_keeps_its_engine_steps_and_forwards_medians(monkeypatch):
-    """`EngineSteps` times every step of vLLM's engine and the model forward in it (CUDA events: a stand-in
-    here), leaving what they return alone; `medians` gives those of the steps since its last call; a side keeps
-    each timed step's medians, process after process."""
+def test_each_timed_step_keeps_its_engine_steps_forwards_and_samplings_medians(monkeypatch):
+    """`EngineSteps` times every step of vLLM's engine and the model forward and the sampling in it (CUDA
+    events: a stand-in here), leaving what they return alone; `medians` gives those of the steps since its last
+    call; a side keeps each timed step's medians, process after process."""
     class Event:  # a CUDA event whose elapsed time is the forward's input
         def __init__(self, enable_timing):
             assert enable_timing
@@ -44,23 +45,31 @@ def test_each_timed_step_keeps_its_engine_steps_and_forwards_medians(monkeypatch
     def forward(ms):
         clock[0] += ms
         return "hidden"
+
+    def sample(ms):
+        clock[0] += ms
+        return "tokens"
     monkeypatch.setattr(bench.torch.cuda, "Event", Event)
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
-    runner = SimpleNamespace(execute_model=forward)
+    runner = SimpleNamespace(execute_model=forward, sample_tokens=sample)
     worker = SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))
     core = SimpleNamespace(engine_core=SimpleNamespace(model_executor=worker))
     llm = SimpleNamespace(llm_engine=SimpleNamespace(step=lambda: "outputs", engine_core=core))
     steps = bench.EngineSteps(llm)
     assert [llm.llm_engine.step() for _ in range(3)] == ["outputs"] * 3
     assert [runner.execute_model(ms) for ms in (7.0, 7.5, 9.0)] == ["hidden"] * 3
+    assert [runner.sample_tokens(ms) for ms in (0.5, 0.25, 0.75)] == ["tokens"] * 3
     first = steps.medians()
-    assert first["forward_ms"] == 7.5 and 0 <= first["engine_step_ms"] < 1e3
+    assert (first["forward_ms"], first["sample_ms"]) == (7.5, 0.5) and 0 <= first["engine_step_ms"] < 1e3
     runner.execute_model(6.0)
+    runner.sample_tokens(1.0)
     llm.llm_engine.step()
-    assert steps.medians()["forward_ms"] == 6.0  # the earlier steps were cleared
+    second = steps.medians()
+    assert (second["forward_ms"], second["sample_ms"]) == (6.0, 1.0)  # the earlier steps were cleared
     side = bench.combine([process((6.0, 4.0), (6.4, 4.2)), process((7.0, 4.4))])
     assert side["engine_step_ms"] == pytest.approx([14.0, 14.4, 15.0])
     assert side["forward_ms"] == pytest.approx([7.0, 7.4, 8.0])
+    assert side["sample_ms"] == pytest.approx([0.6, 0.64, 0.7])
 
 
 def test_the_ratio_line_says_where_the_sides_spreads_overlap():
