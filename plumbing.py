@@ -1232,12 +1232,13 @@ class Checkpoints:
             # later torch.save of the process (DCP's thread saves as training runs); torch.load never checks.
             torch.serialization.set_crc32_options(False)
             self.stage({"state": training_state(optimizer, ref_model),
-                        "weights": {name: self.stage(t) for name, t in hf_weights() if world.is_main}})
+                        "weights": {name: self.stage(t, wait=world.size > 1) for name, t in hf_weights()
+                                    if world.is_main}})
 
-    def stage(self, t):
+    def stage(self, t, wait: bool = False):
         """In host memory training leaves alone: GPU tensors copied into PyTorch's pinned memory (freed, it
-        serves the next save) on the stream `copies`, which `write_data` waits for; host scalars cloned, other
-        host tensors (offloaded: not copied) as they lie."""
+        serves the next save) on the stream `copies`, which `write_data` waits for (`wait`: this one now);
+        host scalars cloned, other host tensors (offloaded: not copied) as they lie."""
         import torch
         if isinstance(t, dict):
             return {k: self.stage(v) for k, v in t.items()}
@@ -1245,9 +1246,11 @@ class Checkpoints:
         if not local.is_cuda:
             return t.clone() if t.dim() == 0 else t
         self.copies.wait_stream(torch.cuda.current_stream())  # the tensor as the step left it
-        local.record_stream(self.copies)  # a gathered weight, freed now, is not reused before its copy
         with torch.cuda.stream(self.copies):  # non_blocking: into PyTorch's cache of pinned host memory
-            return shard_like(local.to("cpu", non_blocking=True), t)
+            staged = shard_like(local.to("cpu", non_blocking=True), t)
+        if wait:
+            self.copies.synchronize()
+        return staged
 
     def write_data(self, plan, planner):
         """DCP's thread: writes this rank's part once `stage`'s copies landed (on this rank's GPU, not GPU 0,
@@ -1275,7 +1278,9 @@ class Checkpoints:
         world.barrier()
         self.totals, self.saved, self.tensorboard = totals, dict(totals), tensorboard
         self.run = {"args": asdict(args), "step": step, "world_size": world.size}
-        self.hf = {n: self.stage(t) for n, t in self.hf_weights() if world.is_main}  # all ranks gather
+        # All ranks gather. Gathered (sharded), a weight is a copy, freed next: its copy to the host ends
+        # first, else the whole model's could pile up on the GPU, the copies behind the gathers.
+        self.hf = {n: self.stage(t, wait=world.size > 1) for n, t in self.hf_weights() if world.is_main}
         # DCP's collectives run in its thread: on a group of their own (gloo: async_save wants a CPU one)
         import torch.distributed.checkpoint as dcp
         state = training_state(self.optimizer, self.ref_model)

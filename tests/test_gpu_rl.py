@@ -236,9 +236,9 @@ def test_qwen3_thinking_mode_sampling_is_bitwise(tmp_path):
 
 def test_a_save_copies_the_gpu_state_and_adamw_goes_on_beneath_its_write(tmp_path, monkeypatch):
     """On the GPU a save queues copies of the weights and training state to host memory and returns before
-    they land (held here behind a sleep on their stream); AdamW's next step is queued at once, while the write
-    is held, yet the checkpoint, once written, holds the state of the step that saved, bit for bit: AdamW
-    waited for the copies on the GPU."""
+    they land (held here behind a sleep on their stream). AdamW's next step is queued at once, while the write
+    is held: it waits for the copies on the GPU, not for the write. A save whose write is not held: DCP's
+    thread waits for the copies. Each checkpoint holds the state of the step that saved it, bit for bit."""
     import threading
 
     from safetensors.torch import load_file
@@ -250,24 +250,36 @@ def test_a_save_copies_the_gpu_state_and_adamw_goes_on_beneath_its_write(tmp_pat
     args = simple_rl.Args(run=simple_rl.Run(run_name="r", output_dir=str(tmp_path / "checkpoints"), keep_last=0))
     checkpoints = plumbing.Checkpoints(model, functools.partial(simple_rl.hf_weights, model), optimizer, None,
                                       model_dir, args, simple_rl.World())
-    adam_step(optimizer, 0)
-    # copied: .cpu() returns a host tensor itself, which the next step would change
-    state = {k: v.to("cpu", copy=True) for k, v in flat_tensors(plumbing.training_state(optimizer, None)).items()}
-    weights = {name: w.cpu() for name, w in simple_rl.hf_weights(model)}
     release, write_data = threading.Event(), FileSystemWriter.write_data
     monkeypatch.setattr(FileSystemWriter, "write_data", lambda *a: release.wait(60) and write_data(*a))
-    torch.cuda.synchronize()
-    with torch.cuda.stream(checkpoints.copies):
-        torch.cuda._sleep(2_000_000_000)  # about a second: the copies land after AdamW's step is queued
-    checkpoints.save(1, {"tokens_checked": 0, "mismatched_tokens": 0})
-    assert not checkpoints.copies.query()  # returned before its copies landed
+
+    def snapshot():  # copied: .cpu() of a host tensor is that tensor, which the next step would change
+        state = flat_tensors(plumbing.training_state(optimizer, None))
+        return ({k: v.to("cpu", copy=True) for k, v in state.items()},
+                {name: w.cpu() for name, w in simple_rl.hf_weights(model)})
+
+    def delayed_save(step: int) -> None:
+        torch.cuda.synchronize()
+        with torch.cuda.stream(checkpoints.copies):
+            torch.cuda._sleep(2_000_000_000)  # about a second
+        checkpoints.save(step, {"tokens_checked": 0, "mismatched_tokens": 0})
+        assert not checkpoints.copies.query()  # returned before its copies landed
+
+    adam_step(optimizer, 0)
+    states = [snapshot()]
+    delayed_save(1)
     adam_step(optimizer, 1)  # its gradient norm's read waits for AdamW, which waited for the copies
     assert not release.is_set()  # the write still held
     release.set()
     checkpoints.wait()
-    out = tmp_path / "checkpoints" / "r" / "step_000001"
-    saved, now = flat_tensors(training_state(out)), flat_tensors(plumbing.training_state(optimizer, None))
-    assert saved.keys() == state.keys() and [k for k in state if not torch.equal(saved[k], state[k])] == []
-    assert not any(torch.equal(now[k].cpu(), state[k]) for k in state if k.startswith("masters."))
-    hf = load_file(out / "model.safetensors")
-    assert all(torch.equal(hf[k].view(torch.int16), w.view(torch.int16)) for k, w in weights.items())
+    states.append(snapshot())
+    delayed_save(2)  # the write goes at once: without its wait it would write what the buffers held before
+    checkpoints.wait()
+    masters = [k for k in states[0][0] if k.startswith("masters.")]
+    assert not any(torch.equal(states[0][0][k], states[1][0][k]) for k in masters)  # AdamW stepped
+    for step, (state, weights) in enumerate(states, start=1):
+        out = tmp_path / "checkpoints" / "r" / f"step_{step:06d}"
+        saved = flat_tensors(training_state(out))
+        assert saved.keys() == state.keys() and [k for k in state if not torch.equal(saved[k], state[k])] == []
+        hf = load_file(out / "model.safetensors")
+        assert all(torch.equal(hf[k].view(torch.int16), w.view(torch.int16)) for k, w in weights.items())
