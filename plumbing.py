@@ -1208,8 +1208,7 @@ class Checkpoints:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         # Page cache only (syncing doubled the save time): a kill keeps every save, a power cut earlier ones.
-        # Host tensors only: no copy ahead, whose CUDA stream DCP's thread would make on GPU 0, whatever the
-        # rank.
+        # Host tensors only: no copy ahead (its CUDA stream, made in DCP's thread, would be on GPU 0).
         self.writer = dcp.FileSystemWriter(args.run.output_dir, sync_files=False, per_thread_copy_ahead=0)
         self.write_metadata = self.writer.finish  # DCP's own finish, which ours calls first
         self.writer.finish, self.writer.stage = self.finish, self.stage
