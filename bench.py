@@ -30,8 +30,9 @@ with --save-every 4 (--save-every here): a checkpoint at the next step (the proc
 steps later, their writes going on in the background beneath the steps after them (at 4, an H100 machine's
 0.9 GB/s disk ends the 1.7B shape's 24 GB write before the next save; at 2 it does not). It reports each
 step that saves (its phases and what its save held training: waiting for the previous write if it had not
-ended, copying to host memory) and each step beneath a write against the median timed step, each write's
-seconds and rate (a disk slower than the saves shows as waiting), the wait for the last write at the end,
+ended, copying to host memory) and each step beneath a write against the median plain step (the timed
+ones and 4 more after the last write: an H200 at its power cap moves a step 0.3 s either way, the plain
+steps' own spread printed beside), each write's seconds and rate (a disk slower than the saves shows as waiting), the wait for the last write at the end,
 and the seconds the page-locked memory took to make at the start.
 Each timed step's median vLLM engine step is printed too, both sides, and the GPU time of the model's forward
 in it (CUDA events): the rest is vLLM's host work, which bounds a step at 256 sequences (H100: 7.4 ms
@@ -285,8 +286,9 @@ def saving_steps(step, checkpoints, first: int, every: int) -> dict:
     step's phase times and the seconds its save held training (waiting for the previous write if it had not
     ended, then copying to host memory), each other step's phase times and whether the write was still
     going when it ended, each write's seconds in the background, and the seconds the end waited for the last
-    write."""
-    out = {"saving": [], "beneath": [], "beneath_host": [], "writing": [], "writes": []}
+    write; then `every` plain steps (`plain`), once the last write has ended."""
+    out = {"saving": [], "beneath": [], "beneath_host": [], "writing": [], "writes": [], "plain": [],
+           "plain_host": []}
     for i in range(first, first + 2 * every):
         times, metrics = step(i)
         if (i - first) % every:
@@ -307,21 +309,30 @@ def saving_steps(step, checkpoints, first: int, every: int) -> dict:
     out["end_wait"] = time.perf_counter() - start
     out["writes"].append(checkpoints.ended - checkpoints.begun)
     out["bytes"] = sum(f.stat().st_size for f in checkpoints.out_dir.rglob("*") if f.is_file())
+    # `every` plain steps from the same stretch of the run, no write going: an H200 at its power cap moves
+    # a step by 0.3 s either way (its clocks 1.5-2.0 GHz), so the early timed steps alone are no reference
+    for i in range(first + 2 * every, first + 3 * every):
+        times, metrics = step(i)
+        out["plain"].append(times)
+        out["plain_host"].append(metrics["host"])
     return out
 
 
 def save_costs(run: dict) -> dict:
     """What saving costs the steps of a process, in seconds over the median step that neither saves nor runs
-    beneath a write: each saving step (its phases and what its save held), each step beneath a write, and
-    each of its phases over that phase's median (which phase the write slows), and its host counters
+    beneath a write (the timed steps and those after the writes; `plain`: each of them over it, their own
+    spread): each saving step (its phases and what its save held), each step beneath a write, and each of
+    its phases over that phase's median (which phase the write slows), and its host counters
     (`host_counters`) beside their medians over the plain steps (what the write makes it wait for)."""
-    plain = statistics.median(sum(times.values()) for times in run["steps"])
     saves = run["saves"]
-    median = {p: statistics.median(times[p] for times in run["steps"]) for p in PHASES}
+    steps, hosts = run["steps"] + saves["plain"], run["host"] + saves["plain_host"]  # the timed, those after
+    plain = statistics.median(sum(times.values()) for times in steps)
+    median = {p: statistics.median(times[p] for times in steps) for p in PHASES}
     phases = {p: [t[p] - median[p] for t in saves["beneath"]] for p in PHASES}
-    host = {name: (statistics.median(h[name] for h in run["host"]), [h[name] for h in saves["beneath_host"]])
-            for name in run["host"][0]}
+    host = {name: (statistics.median(h[name] for h in hosts), [h[name] for h in saves["beneath_host"]])
+            for name in hosts[0]}
     return {"host": host, "saving": [s["step"] + s["held"] - plain for s in saves["saving"]],
+            "plain": [sum(t.values()) - plain for t in steps],
             "beneath": [sum(t.values()) - plain for t in saves["beneath"]], "beneath_phases": phases,
             "writing": saves["writing"], "held": [s["held"] for s in saves["saving"]],
             "waited": [s["waited"] for s in saves["saving"]], "bytes": saves["bytes"],
@@ -458,11 +469,11 @@ def run_side(side: str, ckpt: Path, args) -> dict:
     runner = (standard_step_runner(ckpt, args), None, 0.0) if standard else exact_step_runner(ckpt, args)
     (step, checkpoints, pinning), startup = runner, time.perf_counter() - start
     results = [step(i) for i in range(1 + args.iters)][1:]  # the first step warms up
-    # after the timed steps: saving steps and the steps beneath their writes, against them
+    # after the timed steps: saving steps, the steps beneath their writes and plain steps after, against them
     saves = None if standard or not args.save_every else saving_steps(step, checkpoints, 1 + args.iters,
                                                                        args.save_every)
     if args.profile and not standard:  # last: a profiled step runs slower, and no timed step comes after it
-        profile_train_phase(step, 1 + args.iters + 2 * args.save_every, args.profile)
+        profile_train_phase(step, 1 + args.iters + 3 * args.save_every, args.profile)
     return {
         "steps": [times for times, _ in results],
         "startup": startup,
@@ -716,8 +727,9 @@ def save_lines(saves: list[dict], every: int) -> str:
              f"(the process's first save first; its save held training {seconds(c['held'], '')}, waiting for "
              f"the previous write {seconds(c['waited'], '')} of it), a step beneath a write "
              f"{seconds(c['beneath'])} (" + "; ".join(f"{p} {seconds(c['beneath_phases'][p])}" for p in PHASES)
-             + f"; the write still going at the end of {sum(c['writing'])} of them), over one that does "
-             f"neither; writes of {c['bytes'] / 1e9:.1f} GB in "
+             + f"; the write still going at the end of {sum(c['writing'])} of them), over the median of "
+             f"the {len(c['plain'])} steps that do neither (timed, and after the writes: themselves "
+             f"{min(c['plain']):+.2f} to {max(c['plain']):+.2f} s around it); writes of {c['bytes'] / 1e9:.1f} GB in "
              + ", ".join(f"{w:.1f}" for w in c["writes"]) + " s ("
              + ", ".join(f"{c['bytes'] / 1e9 / w:.2f}" for w in c["writes"]) + " GB/s) in the background, "
              f"the end waited {c['end_wait']:.1f} s; page-locked memory made at the start in "

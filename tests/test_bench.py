@@ -81,8 +81,9 @@ def test_the_ratio_line_says_where_the_sides_spreads_overlap():
 
 
 def test_a_save_is_costed_against_the_steps_that_neither_save_nor_run_beneath_a_write():
-    """A saving step costs its phases and what its save held training, over the process's median timed step
-    (10.5 s here), a step beneath a write its phases over theirs (which phase the write slows); the report's
+    """A saving step costs its phases and what its save held training, over the process's median plain step:
+    the timed steps and those after the last write (10.8 s here, of 10.2, 10.8 and 11.1), whose own spread
+    the line gives; a step beneath a write its phases over theirs (which phase the write slows); the report's
     last line is the slowest saving step, the process's first save included. The stepping thread's host
     counters of each step beneath a write stand beside their median over the plain steps."""
     def host(system_s, waits):
@@ -91,22 +92,25 @@ def test_a_save_is_costed_against_the_steps_that_neither_save_nor_run_beneath_a_
         "saving": [{"step": 10.6, "held": 1.5, "waited": 0.0}, {"step": 10.8, "held": 2.0, "waited": 1.5}],
         "beneath": [dict(generate=6.7, train=4.1, push=0.2), dict(generate=6.2, train=4.1, push=0.2)],
         "beneath_host": [host(1.25, 5000), host(0.2, 20)],
-        "writing": [True, False], "writes": [9.0, 9.5], "end_wait": 4.0, "bytes": 19_000_000_000}}
+        "writing": [True, False], "writes": [9.0, 9.5], "end_wait": 4.0, "bytes": 19_000_000_000,
+        "plain": [dict(generate=6.6, train=4.3, push=0.2)], "plain_host": [host(0.4, 40)]}}
     cost = bench.save_costs(run)
-    assert cost["host"]["system_s"] == (pytest.approx(0.2), [1.25, 0.2]) and cost["host"]["waits"] == (20, [5000, 20])
-    assert cost["saving"] == pytest.approx([1.6, 2.3]) and cost["beneath"] == pytest.approx([0.5, 0.0])
-    assert cost["beneath_phases"]["generate"] == pytest.approx([0.5, 0.0])  # over the median 6.2 s
-    assert cost["beneath_phases"]["train"] == pytest.approx([0.0, 0.0])
+    assert cost["host"]["system_s"] == (pytest.approx(0.3), [1.25, 0.2]) and cost["host"]["waits"] == (30, [5000, 20])
+    assert cost["saving"] == pytest.approx([1.3, 2.0]) and cost["beneath"] == pytest.approx([0.2, -0.3])
+    assert cost["plain"] == pytest.approx([-0.6, 0.0, 0.3])
+    assert cost["beneath_phases"]["generate"] == pytest.approx([0.3, -0.2])  # over the median 6.4 s
+    assert cost["beneath_phases"]["train"] == pytest.approx([-0.1, -0.1])
     assert bench.combine([run, process((6.0, 4.0))])["saves"] == [cost]  # the standard side saves nothing
     lines = bench.save_lines([cost], 2).splitlines()
-    assert "a step that saves +1.60, +2.30 s" in lines[0] and "waiting for the previous write 0.00, 1.50 s" in lines[0]
+    assert "a step that saves +1.30, +2.00 s" in lines[0] and "waiting for the previous write 0.00, 1.50 s" in lines[0]
     assert "writes of 19.0 GB in 9.0, 9.5 s (2.11, 2.00 GB/s)" in lines[0]
     assert lines[1] == ("  process 1, its stepping thread on the host (`host_counters`), a plain step's median -> "
-                        "each step beneath a write: user_s 2.00 -> 2.00, 2.00; system_s 0.20 -> 1.25, 0.20; waits 20 -> "
+                        "each step beneath a write: user_s 2.00 -> 2.00, 2.00; system_s 0.30 -> 1.25, 0.20; waits 30 -> "
                         "5,000, 20; preempted 3 -> 3, 3; page_faults 100 -> 100, 100; reclaimed 0 -> 0, 0")
-    assert ("a step beneath a write +0.50, +0.00 s (generate +0.50, +0.00 s; train +0.00, +0.00 s; push +0.00, "
-            "+0.00 s; the write still going at the end of 1 of them)") in lines[0]
-    assert lines[-1] == ("  the slowest step that saves: +2.30 s over one that does not (1.50 s of it waiting for "
+    assert ("a step beneath a write +0.20, -0.30 s (generate +0.30, -0.20 s; train -0.10, -0.10 s; push +0.00, "
+            "+0.00 s; the write still going at the end of 1 of them), over the median of the 3 steps that do "
+            "neither (timed, and after the writes: themselves -0.60 to +0.30 s around it)") in lines[0]
+    assert lines[-1] == ("  the slowest step that saves: +2.00 s over one that does not (1.50 s of it waiting for "
                          "the previous write: this disk writes a checkpoint more slowly than 2 steps run)")
     run["saves"]["saving"][1]["waited"] = 0.0  # the previous write had ended: nothing to explain
     assert bench.save_lines([bench.save_costs(run)], 2).splitlines()[-1].endswith("over one that does not")
