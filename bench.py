@@ -31,9 +31,10 @@ steps later, their writes going on in the background beneath the steps after the
 0.9 GB/s disk ends the 1.7B shape's 24 GB write before the next save; at 2 it does not). It reports each
 step that saves (its phases and what its save held training: waiting for the previous write if it had not
 ended, copying to host memory) and each step beneath a write against the median plain step (the timed
-ones and 4 more after the last write: an H200 at its power cap moves a step 0.3 s either way, the plain
-steps' own spread printed beside), each write's seconds and rate (a disk slower than the saves shows as waiting), the wait for the last write at the end,
-and the seconds the page-locked memory took to make at the start.
+ones and --save-every more after the last write: an H200 at its power cap moves a step 0.3 s either way;
+the plain steps' own spread printed beside), each write's seconds and rate (a disk slower than the saves
+shows as waiting), the wait for the last write at the end, and the seconds the page-locked memory took to
+make at the start.
 Each timed step's median vLLM engine step is printed too, both sides, and the GPU time of the model's forward
 in it (CUDA events): the rest is vLLM's host work, which bounds a step at 256 sequences (H100: 7.4 ms
 of forward in steps of 9.5-15 ms, the host's speed moving by half between generations).
@@ -729,7 +730,8 @@ def save_lines(saves: list[dict], every: int) -> str:
              f"{seconds(c['beneath'])} (" + "; ".join(f"{p} {seconds(c['beneath_phases'][p])}" for p in PHASES)
              + f"; the write still going at the end of {sum(c['writing'])} of them), over the median of "
              f"the {len(c['plain'])} steps that do neither (timed, and after the writes: themselves "
-             f"{min(c['plain']):+.2f} to {max(c['plain']):+.2f} s around it); writes of {c['bytes'] / 1e9:.1f} GB in "
+             f"{min(c['plain']):+.2f} to {max(c['plain']):+.2f} s around it); writes of "
+             f"{c['bytes'] / 1e9:.1f} GB in "
              + ", ".join(f"{w:.1f}" for w in c["writes"]) + " s ("
              + ", ".join(f"{c['bytes'] / 1e9 / w:.2f}" for w in c["writes"]) + " GB/s) in the background, "
              f"the end waited {c['end_wait']:.1f} s; page-locked memory made at the start in "
