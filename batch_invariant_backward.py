@@ -407,31 +407,33 @@ def lm_head_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targe
 # ---------------------------------------------------------------------------------------------
 
 
-def matmul_tiles(M: int, N: int, num_sms: int) -> dict:
+def matmul_tiles(M: int, N: int, K: int, num_sms: int) -> dict:
     """The tiles `tiled_linear` launches vLLM's persistent matmul with, for (M, K) @ (K, N) in bf16.
-    vLLM 0.20 uses 128 x 128 tiles and 3 pipeline stages for every M: a decode step's projections (M = the
-    sequences decoding) then get N / 128 tiles, 16 for a 2048-wide output, and leave most SMs idle. Here,
+    vLLM 0.20 uses 128 x 128 x 64 tiles and 3 pipeline stages for every M: a decode step's projections (M =
+    the sequences decoding) then get N / 128 tiles, 16 for a 2048-wide output, and leave most SMs idle. Here,
     at up to 512 rows, a tile is as tall as the rows need and as wide as keeps at least half the SMs busy,
-    and its pipeline has up to 8 stages (7 K steps loading ahead): a decode GEMM is a read of the weights,
-    and narrow tiles need deep pipelines to read at full speed; a narrow output gets tiles of at most 64
-    rows. Above 512 rows, 128 x 256 tiles run near cuBLAS's speed. Chosen from sweeps over the Qwen3-1.7B
-    projections on an H100 and, at 128 and 256 rows, an H200 (`bench.py --kernels --sweep`). Only
-    BLOCK_SIZE_K fixes the order of the fp32 sums, so every choice gives the same bits (tests/test_gpu.py
-    checks that)."""
+    128 or 256 deep (fewer, larger steps through K: a narrow tile's 64-deep step is too little work a
+    load), and its pipeline has up to 8 stages: a decode GEMM is a read of the weights, and narrow tiles need
+    deep pipelines to read at full speed; a narrow output gets tiles of at most 64 rows. Above 512 rows,
+    128 x 256 x 64 tiles run near cuBLAS's speed. Chosen from sweeps over the Qwen3-1.7B projections on an
+    H100 and an H200 (`bench.py --kernels --sweep`). No choice moves a bit: each output is an fp32 sum of
+    16-wide MMAs in K's order from zero, however many a step issues (a step deeper than 64 only where it
+    divides K: a zero-padded step would add +0.0 to a -0.0 sum); tests/test_gpu.py checks it."""
     if M > 512:
-        return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, num_warps=8, num_stages=3)
+        return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, num_warps=8, num_stages=3)
     block_m = min(128, max(16, 1 << (M - 1).bit_length()))  # the power of 2 that holds M rows
-    if block_m == 128 and -(-M // 128) * -(-N // 256) >= num_sms // 2:
-        return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, num_warps=8, num_stages=4)  # gate/up, lm_head
+    if block_m == 128 and -(-M // 128) * -(-N // 256) >= num_sms // 2:  # gate/up, lm_head
+        return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, num_warps=8, num_stages=4)
     if block_m == 128 and -(-M // 128) * -(-N // 128) < num_sms // 2:
         block_m = 64  # narrow outputs (q/k/v, o_proj, down): twice the tiles, each half as tall
     rows = -(-M // block_m)
     block_n = 128
     while block_n > 16 and rows * -(-N // block_n) < num_sms // 2:
         block_n //= 2
+    block_k = next((k for k in (256 if block_n <= 32 else 128, 128) if K % k == 0), 64)
     # As many stages as ~200 KB of shared memory holds (Triton adds up to 32 KB; an H100 SM has 227 KB).
-    stages = min(8, 200_000 // ((block_m + block_n) * 64 * 2))
-    return dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n,
+    stages = min(8, 200_000 // ((block_m + block_n) * block_k * 2))
+    return dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k,
                 num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=stages)
 
 
@@ -446,7 +448,7 @@ def qwen3_gemms(dim: int, hidden_dim: int, n_heads: int, n_kv_heads: int, head_d
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  tiles: dict | None = None) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T -> (..., N): vLLM 0.20's batch-invariant linear
-    (`linear_batch_invariant`, Triton `matmul_kernel_persistent`: fp32 sums over K in 64-wide steps,
+    (`linear_batch_invariant`, Triton `matmul_kernel_persistent`: fp32 sums of 16-wide MMAs in K's order,
     one rounding) with its tiles chosen by `matmul_tiles` (or given), so the same bits, sooner. The
     engine serves every linear layer with it (simple_rl.py installs it) and the trainer's forward
     runs it. Other dtypes go to vLLM's own launch."""
@@ -459,11 +461,11 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         (M, K), N = a.shape, b.shape[1]
         out = torch.empty((M, N), device=a.device, dtype=a.dtype)
         num_sms = _num_sms(a.device)
-        config = tiles or matmul_tiles(M, N, num_sms)
+        config = tiles or matmul_tiles(M, N, K, num_sms)
         grid = (min(num_sms, -(-M // config["BLOCK_SIZE_M"]) * -(-N // config["BLOCK_SIZE_N"])),)
         matmul_kernel_persistent[grid](
             a, b, out, None, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            out.stride(0), out.stride(1), BLOCK_SIZE_K=64, GROUP_SIZE_M=8, NUM_SMS=num_sms,
+            out.stride(0), out.stride(1), GROUP_SIZE_M=8, NUM_SMS=num_sms,
             A_LARGE=a.numel() > 2**31, B_LARGE=b.numel() > 2**31, C_LARGE=out.numel() > 2**31,
             HAS_BIAS=False, **config)  # fmt: skip
     out = out.reshape(*x.shape[:-1], weight.shape[0])

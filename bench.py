@@ -1156,8 +1156,8 @@ def kernel_benchmark(args) -> dict:
             differ += int((ours.view(torch.int16) != theirs.view(torch.int16)).sum())
             checked += ours.numel()
     results["differing_elements"] = differ
-    tiles = sorted({tuple(matmul_tiles(m, n, 132).values()) for m in (1, 32, 256, 8192)
-                    for n, _ in shapes.values()})
+    tiles = sorted({tuple(matmul_tiles(m, n, k, 132).values()) for m in (1, 32, 256, 8192)
+                    for n, k in shapes.values()})
     print(f"\ntiled_linear against vLLM's tiles: {differ} of {checked:,} output elements differ "
           f"(tiles {tiles})")
     results |= norm_and_log_softmax_benchmark(args.shape, n_layers)
@@ -1221,19 +1221,21 @@ def tile_sweep(shapes: dict, weight, n_layers: int, rows) -> dict:
             ws = [weight(n, k) for _ in range(1 if name == "lm_head" else n_layers)]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             reference = matmul_persistent(x, ws[0].t())
-            pick = matmul_tiles(m, n, sms)
+            pick = matmul_tiles(m, n, k, sms)
             picked = graph_ms(lambda: [tiled_linear(x, w, tiles=pick) for w in ws])
             cublas = graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in ws])
             timed = []
             for bm in (16, 32, 64, 128):
                 if bm > max(16, 2 * m) or (m >= 2048 and bm < 64):
                     continue
-                candidates = itertools.product((16, 32, 64, 128, 256), (2, 4, 8), (3, 4, 6, 8, 12, 16, 24))
-                for bn, warps, stages in candidates:
-                    if ((bm + bn) * 64 * 2 * stages > 220_000 or (warps == 8 and bm * bn < 4096)
-                            or (warps == 2 and bm * bn > 2048)):
+                candidates = itertools.product((16, 32, 64, 128, 256), (64, 128, 256), (2, 4, 8),
+                                               (3, 4, 6, 8, 12, 16, 24))
+                for bn, bk, warps, stages in candidates:
+                    if ((bm + bn) * bk * 2 * stages > 220_000 or (warps == 8 and bm * bn < 4096)
+                            or (warps == 2 and bm * bn > 2048) or k % bk):
                         continue
-                    tiles = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, num_warps=warps, num_stages=stages)
+                    tiles = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, num_warps=warps,
+                                 num_stages=stages)
                     try:
                         y = tiled_linear(x, ws[0], tiles=tiles)  # compiled here, before a capture
                     except Exception:  # out of shared memory or registers

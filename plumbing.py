@@ -1164,11 +1164,11 @@ def parity_record(args, model, totals: dict) -> dict:
     if a.moe_enabled:  # the experts run in vLLM's fused MoE kernels (one tile configuration), the router here
         gemms = {name: nk for name, nk in gemms.items() if name not in ("gate_up", "down")}
         gemms["router"] = (a.moe_args.num_experts, a.dim)
-    tiles = {f"{name} rows={m}": list(matmul_tiles(m, n, sms).values())
-             for name, (n, _) in gemms.items() for m in (1, 32, 256, 8192)}
+    tiles = {f"{name} rows={m}": list(matmul_tiles(m, n, k, sms).values())
+             for name, (n, k) in gemms.items() for m in (1, 32, 256, 8192)}
     kernels = {"batch_invariant": exact, "model_runner": "V2" if exact else "V1",  # as VLLMEngine runs
                "cuda_graphs": CUDA_GRAPHS if args.engine.vllm_cuda_graphs else "eager",
-               "matmul_tiles (BLOCK_M, BLOCK_N, warps, stages)": tiles}
+               "matmul_tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)": tiles}
     return {"stack": stack_versions(), "kernels": kernels, "sampling": asdict(args.sampling), **totals}
 
 

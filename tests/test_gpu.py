@@ -656,7 +656,7 @@ def test_tiled_linear_is_bitwise_vllms_matmul():
                 ours, vllms = tiled_linear(x, w), matmul_persistent(x, w.t())
                 differ = int((ours.view(torch.int16) != vllms.view(torch.int16)).sum())
                 assert differ == 0, f"Qwen3-{name} {gemm} (N={n}, K={k}) at M={m}: {differ} elements differ"
-                tiles_used.add(tuple(matmul_tiles(m, n, _num_sms(x.device)).values()))
+                tiles_used.add(tuple(matmul_tiles(m, n, k, _num_sms(x.device)).values()))
                 products += 1
     print(f"\n[tiled_linear] {products} products, bitwise vLLM's, with {len(tiles_used)} tile shapes: "
           f"{sorted(tiles_used)}")

@@ -383,20 +383,22 @@ def test_matmul_tiles_fit_in_shared_memory_and_spread_over_the_sms():
     at 1 to 32k rows: a tile is a power of 2 of 16 to 256 on a side, its pipeline stages fit an H100 SM's
     shared memory (227 KB, of which Triton's kernel takes up to 32 KB besides the stages: measured by
     compiling it), up to 512 rows it is the power of 2 that holds them, at most 128 (64 for a narrow output),
-    and its shape gives at least half of the SMs a tile whenever tiles as narrow as 16 columns can."""
+    its shape gives at least half of the SMs a tile whenever tiles as narrow as 16 columns can, and its
+    depth divides K (64 above 512 rows, as vLLM's)."""
     from batch_invariant_backward import matmul_tiles, qwen3_gemms
     from test_gpu import QWEN3_SHAPES
 
     sms, smem = 132, 227 * 1024
     for dim, hidden_dim, heads, kv_heads in QWEN3_SHAPES.values():
-        for n, _ in qwen3_gemms(dim, hidden_dim, heads, kv_heads, 128, 151936).values():
+        for n, k in qwen3_gemms(dim, hidden_dim, heads, kv_heads, 128, 151936).values():
             for m in (1, 2, 7, 16, 17, 31, 32, 33, 64, 100, 128, 129, 255, 256, 257, 511, 512, 513, 8192,
                       32768):
-                t = matmul_tiles(m, n, sms)
-                bm, bn, stages = t["BLOCK_SIZE_M"], t["BLOCK_SIZE_N"], t["num_stages"]
+                t = matmul_tiles(m, n, k, sms)
+                bm, bn, bk, stages = t["BLOCK_SIZE_M"], t["BLOCK_SIZE_N"], t["BLOCK_SIZE_K"], t["num_stages"]
                 assert {bm, bn} <= {16, 32, 64, 128, 256} and t["num_warps"] in (4, 8), (m, n, t)
-                # bf16 tiles of A and B, 64 deep, one per stage, and Triton's own scratch
-                assert (bm + bn) * 64 * 2 * stages + 32 * 1024 <= smem, (m, n, t)
+                assert bk in (64, 128, 256) and k % bk == 0 and (m <= 512 or bk == 64), (m, n, k, t)
+                # bf16 tiles of A and B, bk deep, one per stage, and Triton's own scratch
+                assert (bm + bn) * bk * 2 * stages + 32 * 1024 <= smem, (m, n, t)
                 if m <= 512:  # the power of 2 that holds the rows (at most 128); 64 where the rows of
                     # 128 x 128 tiles would not fill half the SMs (and 128 x 256 tiles would not either)
                     power = min(128, max(16, 1 << (m - 1).bit_length()))

@@ -1117,7 +1117,7 @@ def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert record == json.loads((ckpt / "training_state" / "parity.json").read_text())
     assert record["tokens_checked"] == sum(e.value for e in events.Scalars("reward/completion_tokens_mean")) * 4
     assert record["stack"]["torch"] == torch.__version__ and record["sampling"]["temperature"] == 1.0
-    assert "qkv rows=32" in record["kernels"]["matmul_tiles (BLOCK_M, BLOCK_N, warps, stages)"]
+    assert "qkv rows=32" in record["kernels"]["matmul_tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)"]
     assert record["kernels"]["model_runner"] == ("V2" if record["kernels"]["batch_invariant"] else "V1")
 
 
@@ -1363,7 +1363,7 @@ def test_a_mixture_of_experts_run_logs_its_routing_saves_and_resumes_bit_for_bit
     assert type(AutoModelForCausalLM.from_pretrained(whole)).__name__ == "Qwen3MoeForCausalLM"
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in load_file(whole / "model.safetensors")
     record = json.loads((run_dir / "parity.json").read_text())
-    assert "router rows=32" in record["kernels"]["matmul_tiles (BLOCK_M, BLOCK_N, warps, stages)"]
+    assert "router rows=32" in record["kernels"]["matmul_tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)"]
 
     with pytest.raises(Killed):
         simple_rl.main(small_run(model_dir, **flags, run_name="killed"), device="cpu", engine_class=DiesInStep3)
