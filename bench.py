@@ -92,13 +92,14 @@ def shape_config(shape: str, layers: int | None = None, eos_token_id: int = 1) -
 
 
 @contextmanager
-def peak_gpu_memory(out: dict, gpus: list[str] | None = None):
-    """The devices' memory in use, as nvidia-smi reports it every 20 ms, while the block runs: the
-    maximum in GiB of each of `gpus` (default: the first visible one) goes to out["peak_gib"], a list.
-    nvidia-smi polls from its own process, so the polling takes no time from the processes measured."""
+def watch_gpus(out: dict, gpus: list[str] | None = None):
+    """The devices as nvidia-smi reports them every 20 ms while the block runs (`gpu_samples`): each of
+    `gpus`' (default: the first visible one) peak memory in use, in GiB, to out["peak_gib"], a list; and
+    how fast the first ran while busy, to out["busy_gpu"]. nvidia-smi polls from its own process, so the
+    polling takes no time from the processes measured."""
     gpus = gpus or visible_gpus()[:1]
-    query = ["nvidia-smi", "-i", ",".join(gpus), "--query-gpu=index,memory.used",
-             "--format=csv,noheader,nounits", "-lms", "20"]
+    query = ["nvidia-smi", "-i", ",".join(gpus), "--format=csv,noheader,nounits", "-lms", "20",
+             "--query-gpu=index,memory.used,utilization.gpu,clocks.sm,clocks_event_reasons.active"]
     with tempfile.TemporaryFile("w+") as log:
         smi = subprocess.Popen(query, stdout=log)
         try:
@@ -107,12 +108,36 @@ def peak_gpu_memory(out: dict, gpus: list[str] | None = None):
             smi.terminate()
             smi.wait()
             log.seek(0)
-            peaks = {}
-            for line in log.read().splitlines():  # "index, MiB"
-                index, _, used = line.partition(", ")
-                if used.strip().isdigit():
-                    peaks[index] = max(peaks.get(index, 0), int(used) / 1024)
-            out["peak_gib"] = [peaks[i] for i in sorted(peaks, key=int)]
+            out |= gpu_samples(log.read())
+
+
+# nvidia-smi's clocks_event_reasons bits that hold the SM clock down for power or heat: the software power
+# cap (an H200 at 700 W meets it in most busy seconds), software and hardware thermal slowdown, power brake
+HELD_BACK = 0x4 | 0x20 | 0x40 | 0x80
+
+
+def gpu_samples(text: str) -> dict:
+    """`watch_gpus`' nvidia-smi lines ("index, MiB, utilization %, SM MHz, 0x event reasons"): each GPU's
+    peak memory in GiB ("peak_gib", by index) and, over the samples in which the first GPU was busy (50% or
+    more utilization), its mean SM clock and the share of them in which power or heat held it back
+    ("busy_gpu"): the same code runs slower on a GPU held back more, and hosts differ in it."""
+    rows = [[f.strip() for f in line.split(",")] for line in text.splitlines()]
+    rows = [r for r in rows if len(r) == 5 and r[0].isdigit() and r[1].isdigit()]
+    peaks = {}
+    for index, used, *_ in rows:
+        peaks[int(index)] = max(peaks.get(int(index), 0), int(used) / 1024)
+    first = min(peaks, default=None)
+    busy = [(int(mhz), reasons.startswith("0x") and bool(int(reasons, 16) & HELD_BACK))
+            for index, _, utilization, mhz, reasons in rows
+            if int(index) == first and utilization.isdigit() and int(utilization) >= 50 and mhz.isdigit()]
+    return {"peak_gib": [peaks[i] for i in sorted(peaks)],
+            "busy_gpu": {"samples": len(busy), "sm_mhz": statistics.mean(m for m, _ in busy) if busy else 0.0,
+                         "held_back": sum(h for _, h in busy) / len(busy) if busy else 0.0}}
+
+
+def busy_gpu_text(busy: dict) -> str:
+    return (f"SM {busy['sm_mhz']:,.0f} MHz while busy, held back by power or heat "
+            f"{busy['held_back']:.0%} of it ({busy['samples']:,} samples)")
 
 
 def layer_flags(args) -> list[str]:
@@ -715,6 +740,7 @@ def combine(runs: list[dict]) -> dict:
     out["forward_ms"] = [ms for run in runs for ms in run.get("forward_ms", [])]
     out["sample_ms"] = [ms for run in runs for ms in run.get("sample_ms", [])]
     out["saves"] = [save_costs(run) for run in runs if run.get("saves")]
+    out["busy_gpu"] = [run["busy_gpu"] for run in runs if "busy_gpu" in run]
     out |= {key: runs[0][key] for key in ("sampled_tokens", "device")}
     return out
 
@@ -772,12 +798,13 @@ def step_benchmark(args) -> dict:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--side", side, "--ckpt", str(ckpt)]
             cmd += ["--json", str(out)]
             peak = {}
-            with peak_gpu_memory(peak):
+            with watch_gpus(peak):
                 subprocess.run(cmd, env=env, check=True)
             runs[side].append(json.loads(out.read_text()) | peak)
             one = combine(runs[side][-1:])  # printed as it ends: a benchmark cut short still reports
             print(f"  process {run + 1} ({side}): " + ", ".join(f"{p} {one[p]:.2f} s" for p in PHASES)
-                  + f", step {one['step']:.2f} s, peak {one['peak_gib']:.1f} GiB", flush=True)
+                  + f", step {one['step']:.2f} s, peak {one['peak_gib']:.1f} GiB; "
+                  + busy_gpu_text(peak["busy_gpu"]), flush=True)
         results = {side: combine(measured) for side, measured in runs.items()}
     exact, standard = results["exact"], results["standard"]
     print(
@@ -805,6 +832,9 @@ def step_benchmark(args) -> dict:
     )
     print(f"  exact side: mismatched tokens per step {exact['mismatched_tokens']} of "
           f"{exact['sampled_tokens']}")
+    for name, r in results.items():  # the same code is slower on a GPU its power cap holds back more
+        print(f"  {name}: the GPU (nvidia-smi every 20 ms), process by process: "
+              + "; ".join(busy_gpu_text(b) for b in r["busy_gpu"]))
     for name, r in results.items():  # a slow generation: slow in every engine step? on the GPU or the host?
         print(f"  {name}: a vLLM engine step's median, timed step by step: "
               + ", ".join(f"{ms:.1f}" for ms in r["engine_step_ms"]) + " ms; on the GPU its model forward "
@@ -841,7 +871,7 @@ def script_run(gpus: int, model: Path, workdir: Path, args, flags=(), name: str 
     gpu_ids = visible_gpus()[:gpus]
     env = os.environ | {"VLLM_BATCH_INVARIANT": "1", "CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)}
     peak = {}
-    with peak_gpu_memory(peak, gpu_ids), tempfile.TemporaryFile("w+") as log:
+    with watch_gpus(peak, gpu_ids), tempfile.TemporaryFile("w+") as log:
         child = subprocess.Popen([sys.executable, *launcher, *map(str, script), *flags], cwd=workdir, env=env,
                                  stdout=log, stderr=subprocess.STDOUT, text=True)
         _, status, usage = os.wait4(child.pid, 0)  # the child's own peak resident memory (ru_maxrss, KiB)

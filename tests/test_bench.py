@@ -147,6 +147,26 @@ def test_a_benchmark_names_the_host_it_ran_on(monkeypatch):
     assert bench.host_cpu() == "AMD EPYC 9654 96-Core Processor, 3 cores"
 
 
+def test_the_gpus_peak_memory_and_how_fast_the_first_ran_while_busy():
+    """nvidia-smi's samples: each GPU's peak memory; the first GPU's mean SM clock over the samples in which
+    it was at least 50% busy, and the share of those in which its power cap (0x4) or heat (0x20, 0x40, 0x80)
+    held it back (an idle-clock reason, 0x1, does not count); lines nvidia-smi could not fill are skipped."""
+    text = "\n".join(["0, 1024, 0, 345, 0x0000000000000001",  # idle: not counted
+                       "1, 4096, 99, 1980, 0x0000000000000004",  # the second GPU: memory only
+                       "0, 2048, 90, 1500, 0x0000000000000004",  # power-capped
+                       "0, 3072, 60, 1800, 0x0000000000000000",
+                       "0, 2560, 100, 1980, 0x0000000000000040",  # hardware thermal slowdown
+                       "0, [N/A], 100, 1980, 0x0",
+                       "1, 512, 99, 1980, 0x0"])
+    samples = bench.gpu_samples(text)
+    assert samples["peak_gib"] == [3.0, 4.0]
+    assert samples["busy_gpu"] == {"samples": 3, "sm_mhz": pytest.approx((1500 + 1800 + 1980) / 3),
+                                   "held_back": pytest.approx(2 / 3)}
+    assert bench.gpu_samples("")["busy_gpu"] == {"samples": 0, "sm_mhz": 0.0, "held_back": 0.0}
+    assert bench.busy_gpu_text(samples["busy_gpu"]) == ("SM 1,760 MHz while busy, held back by power or heat "
+                                                         "67% of it (3 samples)")
+
+
 def test_the_profile_tables_rank_kernels_by_gpu_time():
     def event(key, count, us):
         return SimpleNamespace(key=key, count=count, self_device_time_total=us)
