@@ -740,7 +740,6 @@ def combine(runs: list[dict]) -> dict:
     out["forward_ms"] = [ms for run in runs for ms in run.get("forward_ms", [])]
     out["sample_ms"] = [ms for run in runs for ms in run.get("sample_ms", [])]
     out["saves"] = [save_costs(run) for run in runs if run.get("saves")]
-    out["busy_gpu"] = [run["busy_gpu"] for run in runs if "busy_gpu" in run]
     out |= {key: runs[0][key] for key in ("sampled_tokens", "device")}
     return out
 
@@ -802,6 +801,7 @@ def step_benchmark(args) -> dict:
                 subprocess.run(cmd, env=env, check=True)
             runs[side].append(json.loads(out.read_text()) | peak)
             one = combine(runs[side][-1:])  # printed as it ends: a benchmark cut short still reports
+            # the same code is slower on a GPU its power cap holds back more: each process says how much
             print(f"  process {run + 1} ({side}): " + ", ".join(f"{p} {one[p]:.2f} s" for p in PHASES)
                   + f", step {one['step']:.2f} s, peak {one['peak_gib']:.1f} GiB; "
                   + busy_gpu_text(peak["busy_gpu"]), flush=True)
@@ -832,9 +832,6 @@ def step_benchmark(args) -> dict:
     )
     print(f"  exact side: mismatched tokens per step {exact['mismatched_tokens']} of "
           f"{exact['sampled_tokens']}")
-    for name, r in results.items():  # the same code is slower on a GPU its power cap holds back more
-        print(f"  {name}: the GPU (nvidia-smi every 20 ms), process by process: "
-              + "; ".join(busy_gpu_text(b) for b in r["busy_gpu"]))
     for name, r in results.items():  # a slow generation: slow in every engine step? on the GPU or the host?
         print(f"  {name}: a vLLM engine step's median, timed step by step: "
               + ", ".join(f"{ms:.1f}" for ms in r["engine_step_ms"]) + " ms; on the GPU its model forward "
