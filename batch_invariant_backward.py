@@ -22,7 +22,6 @@ Shapes: T tokens packed back to back (no padding), H query heads, Hk key/value h
 
 import dataclasses
 import functools
-import itertools
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -672,6 +671,62 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     return out if summed is out else (out, summed)
 
 
+@triton.jit
+def _qk_norm_rotary_kernel(qkv, qkv_row_stride, q_weight, k_weight, q_out, k_out, positions, cos_sin,
+                           cos_sin_stride, n_heads, n_kv_heads, head_dim, eps, BLOCK_SIZE: tl.constexpr,
+                           HALF: tl.constexpr):
+    """One q or k head of one token, read in the qkv projection's output: `_rms_norm_rows_kernel`'s norm
+    (the same sum of one 256-wide block in one warp: its bits), rounded to bf16, then vLLM's neox rotary
+    (`rotary_embedding_kernel`: the pair of columns i and i + head_dim / 2 in fp32, rotated by the table's
+    cos and sin at the token's position, rounded to bf16). The table holds bf16 values, so each product of
+    two bf16 values is exact in fp32, and whether a compiler fuses it into an FMA changes no bit."""
+    token, head = tl.program_id(0) // (n_heads + n_kv_heads), tl.program_id(0) % (n_heads + n_kv_heads)
+    x = qkv + token.to(tl.int64) * qkv_row_stride + head * head_dim  # k's heads follow q's in the row
+    if head < n_heads:
+        weight, out = q_weight, q_out + (token.to(tl.int64) * n_heads + head) * head_dim
+    else:
+        weight, out = k_weight, k_out + (token.to(tl.int64) * n_kv_heads + head - n_heads) * head_dim
+    cols = tl.arange(0, BLOCK_SIZE)
+    vals = tl.load(x + cols, mask=cols < head_dim, other=0.0).to(tl.float32)
+    sum_sq = tl.zeros([1], dtype=tl.float32) + tl.sum(tl.where(cols < head_dim, vals * vals, 0.0))
+    inv_rms = 1.0 / tl.sqrt(sum_sq / head_dim + eps)
+    half = head_dim // 2
+    i = tl.arange(0, HALF)
+    m = i < half
+    a = (tl.load(x + i, mask=m, other=0.0).to(tl.float32) * inv_rms
+         * tl.load(weight + i, mask=m).to(tl.float32))
+    b = (tl.load(x + half + i, mask=m, other=0.0).to(tl.float32) * inv_rms
+         * tl.load(weight + half + i, mask=m).to(tl.float32))
+    a, b = a.to(out.dtype.element_ty).to(tl.float32), b.to(out.dtype.element_ty).to(tl.float32)  # the norm's
+    table = cos_sin + tl.load(positions + token) * cos_sin_stride
+    cos, sin = tl.load(table + i, mask=m), tl.load(table + half + i, mask=m)
+    tl.store(out + i, (a * cos - b * sin).to(out.dtype.element_ty), mask=m)
+    tl.store(out + half + i, (b * cos + a * sin).to(out.dtype.element_ty), mask=m)
+
+
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                   eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """Qwen3's q and k heads (T, H, D) and (T, Hk, D), views into the qkv projection's output, each head
+    RMS-normed and rotated (neox, the fp32 table of `rope_cos_sin_cache`'s values): the bits of
+    `rms_norm_rows` on each, then vLLM's `rotary_embedding`, in one launch where the engine took three.
+    -> new (q, k). tests/test_gpu.py checks the bits."""
+    (T, H, D), Hk = q.shape, k.shape[1]
+    adjacent = (q.stride(-1) == k.stride(-1) == 1 and q.stride(1) == k.stride(1) == D
+                and (T == 1 or q.stride(0) == k.stride(0))
+                and k.data_ptr() == q.data_ptr() + H * D * q.element_size())
+    if not (adjacent and D % 2 == 0 and D <= 256 and cos_sin_cache.dtype == torch.float32
+            and cos_sin_cache.shape[1] == D):
+        raise ValueError(f"qk_norm_rotary: q {tuple(q.shape)} and k {tuple(k.shape)} must be adjacent heads "
+                         f"of one qkv row (head_dim even, <= 256), the table fp32 of width head_dim")
+    q_out, k_out = q.new_empty(T, H, D), k.new_empty(T, Hk, D)
+    if T:
+        _qk_norm_rotary_kernel[(T * (H + Hk),)](
+            q, q.stride(0), q_weight.contiguous(), k_weight.contiguous(), q_out, k_out, positions,
+            cos_sin_cache, cos_sin_cache.stride(0), H, Hk, D, eps, BLOCK_SIZE=256,
+            HALF=triton.next_power_of_2(D // 2), num_warps=1)
+    return q_out, k_out
+
+
 class BatchInvariantRMSNorm(torch.autograd.Function):
     """`rms_norm_batch_invariant`: vLLM's Triton RMSNorm, one program per row (`rms_norm_rows`: its bits).
     With the fused add+norm replaced by this kernel with the add in front (`install_exact_kernels`), it is
@@ -1263,6 +1318,25 @@ REFERENCE = Kernels(
 CUDA_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # mode 0: CompilationMode.NONE
 
 
+def exact_qwen3_attention(self, positions, hidden_states, *, vllm_forward: Callable):
+    """vLLM 0.20's `Qwen3Attention.forward` (Qwen3-MoE's is the same), with q and k's norms and their
+    rotation in one kernel (`qk_norm_rotary`: the bits of the three vLLM launches). A rotary other than
+    vLLM's neox kernel over whole heads (another class's forward, a partial rotation) keeps vLLM's forward."""
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    rope = self.rotary_emb
+    if (getattr(rope._forward_method, "__func__", None) is not RotaryEmbedding.forward_cuda
+            or not rope.is_neox_style or rope.rotary_dim != self.head_dim or rope.use_flashinfer):
+        return vllm_forward(self, positions, hidden_states)
+    qkv, _ = self.qkv_proj(hidden_states)
+    q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    T, D = qkv.shape[0], self.head_dim
+    q, k = qk_norm_rotary(q.view(T, -1, D), k.view(T, -1, D), self.q_norm.weight, self.k_norm.weight,
+                          self.q_norm.variance_epsilon, positions, rope._match_cos_sin_cache_dtype(q))
+    output, _ = self.o_proj(self.attn(q.view(T, -1), k.view(T, -1), v))
+    return output
+
+
 def exact_sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids, expanded_local_pos, *,
                  vllm_sample: Callable):
     """vLLM 0.20's V2 `Sampler.sample` (logits (rows, V) -> the tokens drawn, the processed logits): its own
@@ -1371,13 +1445,15 @@ def install_exact_kernels() -> None:
     add+RMSNorm's block size (< 256 tokens or not) and top-k/p's kernel (a sort below 8 rows) change the bits
     with the batch; with the same bits, the matmul's 128 x 128 tiles idle most SMs in decode (`tiled_linear`),
     as does the log-softmax's program a row (`split_log_softmax`, fp32 rows), and the RMSNorm copies q and k
-    before it runs (`rms_norm_rows`, the residual add fused in). The V2 model runner's sampler
+    before it runs (`rms_norm_rows`, the residual add fused in; Qwen3's attention norms and rotates q and k
+    in one launch, `exact_qwen3_attention`). The V2 model runner's sampler
     (`exact_sample`) divides by T as the trainer does and keeps each drawn token's logprob on the GPU
     (`SAMPLED`, in the row its request names: `exact_add_request`); every logprob vLLM returns (sampled,
     greedy, prompt) is the trainer's log-softmax's (`exact_token_logprobs`). And hold the rotary table in
     fp32, like the trainer (`rope_cos_sin_cache`)."""
     from vllm.model_executor.layers import batch_invariant, layernorm, linear, vocab_parallel_embedding
     from vllm.model_executor.layers.rotary_embedding import base as rotary
+    from vllm.model_executor.models import qwen3, qwen3_moe
     from vllm.v1.worker.gpu.sample import logprob, sampler, states
 
     def fused_add_rms_norm(x, residual, weight, variance_epsilon):  # a bf16 add, then the Triton norm
@@ -1408,6 +1484,10 @@ def install_exact_kernels() -> None:
         def add_request(self, *args):
             exact_add_request(self, *args, vllm_add_request=vllm_add_request)
         sampler.Sampler.sample, sampler.Sampler.add_request = sample, add_request
+    for attention in (qwen3.Qwen3Attention, qwen3_moe.Qwen3MoeAttention):
+        vllm_forward = attention.forward
+        if vllm_forward.__module__ == attention.__module__:  # not installed yet
+            attention.forward = functools.partialmethod(exact_qwen3_attention, vllm_forward=vllm_forward)
 
 
 def restore_block_table_pointers(worker) -> None:
@@ -1517,11 +1597,9 @@ def vllm_trace(llm, tokens: list[int]) -> dict:
 
     trace, handles = {}, []
 
-    def hook(keys, pick):  # one hook per module: a module shared by several layers fires once per layer
-        keys = itertools.cycle(keys)
-
-        def record(module, inputs, output):
-            trace.setdefault(next(keys), []).append(as_rows(pick(output)).clone())
+    def hook(key, pick):  # fires at each call: a prefill in chunks calls each module once a chunk
+        def record(module, inputs, output=None):  # a forward hook's, or a pre-hook's (then `pick(inputs)`)
+            trace.setdefault(key, []).append(as_rows(pick(inputs if output is None else output)).clone())
         return record
 
     def first(output):  # vLLM's linear layers return (output, bias), its fused add+norms (output, residual)
@@ -1529,6 +1607,9 @@ def vllm_trace(llm, tokens: list[int]) -> dict:
 
     def second(output):
         return output[1]
+
+    def query_and_key(inputs):  # the attention layer's (q, k, v) inputs: q and k normed and rotated
+        return inputs[0], inputs[1]
 
     def register(served):
         hooks = [(served.model.embed_tokens, (0, "residual_in"), first),
@@ -1544,13 +1625,11 @@ def vllm_trace(llm, tokens: list[int]) -> dict:
             else:
                 modules |= {"gate_up": mlp.gate_up_proj, "swiglu": mlp.act_fn, "down": mlp.down_proj}
             hooks += [(module, (i, op), first) for op, module in modules.items()]
-            hooks += [(att.rotary_emb, (i, "rotary"), tuple), (post, (i, "residual"), second)]
+            hooks += [(att.attn, (i, "rotary"), query_and_key), (post, (i, "residual"), second)]
             if i:
                 hooks.append((layer.input_layernorm, (i, "residual_in"), second))
-        keys = {}  # vLLM shares one rotary module among all layers, which call it in layer order
-        for module, key, pick in hooks:
-            keys.setdefault((module, pick), []).append(key)
-        handles.extend(module.register_forward_hook(hook(k, pick)) for (module, pick), k in keys.items())
+        handles.extend(module.register_forward_pre_hook(hook(key, pick)) if pick is query_and_key
+                       else module.register_forward_hook(hook(key, pick)) for module, key, pick in hooks)
 
     llm.apply_model(register)
     try:
@@ -1609,8 +1688,8 @@ def trainer_trace(model, batch) -> dict:
 def first_divergence(trainer: dict, served: dict) -> str:
     """The first (layer, op) in `trainer_trace`'s forward order whose tensors differ in a bit; by how much."""
     for key, a in trainer.items():
-        if key[1] == "route":  # inside vLLM's FusedMoE: compared by its output, the experts'
-            continue
+        if key[1] == "route" or (key[1] in ("q_norm", "k_norm") and key not in served):
+            continue  # inside vLLM's FusedMoE, or the engine's `qk_norm_rotary`: compared by their outputs
         b = served[key].to(a.device)
         where = key[1] if key[0] is None else f"layer {key[0]} {key[1]}"
         if a.shape != b.shape:

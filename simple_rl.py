@@ -11,8 +11,8 @@ Asserted on every sampled token unless --no-assert-bitwise: the trainer's fp32 l
 the one vLLM returned when it sampled the token, whatever either side's batch (the importance ratio is exactly
 1, the k3 KL 0). It holds with VLLM_BATCH_INVARIANT=1 on vLLM 0.20.0 (FlashAttention 3, CUDA graphs, no
 torch.compile), whose kernels are swapped in-process, in engine and trainer alike, where 0.20's are not
-batch-invariant (fused add+RMSNorm, top-k/top-p) or slower than need be for the same bits (matmul, RMSNorm,
-log-softmax); its sampler draws every request's seeded noise in one kernel, not one launch per request.
+batch-invariant (fused add+RMSNorm, top-k/top-p) or slower than need be for the same bits (matmul, norms,
+q/k norms + rotary, log-softmax); its sampler draws all requests' seeded noise in one launch, not one each.
 
 How this GRPO departs from the paper (Shao et al., 2024):
 1. One optimizer step per batch of rollouts (on-policy); PPO-clip kept, to measure sampler/trainer mismatch.

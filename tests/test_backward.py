@@ -170,7 +170,8 @@ def test_the_norm_and_log_softmax_refuse_what_would_not_give_vllms_bits():
     """`split_log_softmax` takes fp32 rows only (vLLM's kernel sums other dtypes in them); `rms_norm_rows` a
     residual of x's shape and dtype (PyTorch's add would broadcast or promote) and a weight a value a column;
     `rms_norm_backward` an eps > 0 and the sum's gradient of x's shape and dtype; `embedding_grad` an fp32
-    sum of the weight's shape to add to."""
+    sum of the weight's shape to add to; `qk_norm_rotary` q and k as adjacent heads of one qkv row and the
+    fp32 table (it reads them where they lie)."""
     with pytest.raises(ValueError, match="fp32"):
         bib.split_log_softmax(torch.zeros(2, 8, dtype=torch.bfloat16))
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
@@ -183,6 +184,12 @@ def test_the_norm_and_log_softmax_refuse_what_would_not_give_vllms_bits():
         bib.rms_norm_backward(x, x, x[0], 1e-6, x.float())
     with pytest.raises(ValueError, match="main_grad must be a contiguous fp32"):
         bib.embedding_grad(x, torch.zeros(4, dtype=torch.long), 3, torch.zeros(3, 8, dtype=torch.bfloat16))
+    qkv, table, positions = torch.zeros(5, 8 * 16, dtype=torch.bfloat16), torch.zeros(64, 16), torch.zeros(5).long()
+    q, k, v = qkv.view(5, 8, 16).split([4, 2, 2], dim=1)
+    for args in [(q, v, table), (q[:, :3], k, table), (q, k, table.bfloat16()), (q, k, table[:, :8]),
+                 (q.contiguous(), k, table)]:  # k not next to q; a gap; a bf16 table; a half-width one; a copy
+        with pytest.raises(ValueError, match="qk_norm_rotary"):
+            bib.qk_norm_rotary(args[0], args[1], qkv[0, :16], qkv[0, :16], 1e-6, positions, args[2])
 
 
 def test_tempered_logits_never_alias_the_logits():

@@ -15,13 +15,15 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import qwen3_config, start_engine, write_checkpoint
 
+import batch_invariant_backward
 import simple_rl
-from batch_invariant_backward import REFERENCE
+from batch_invariant_backward import REFERENCE, qk_norm_rotary
 
 pytestmark = pytest.mark.gpu
 
@@ -229,6 +231,20 @@ def test_rotary_table_matches_vllm(served):
     assert table.dtype == model.cos_sin_cache.dtype == torch.float32
     assert torch.equal(table, table.bfloat16().float())
     assert torch.equal(table.view(torch.int32), model.cos_sin_cache.cpu().view(torch.int32))
+
+
+def test_the_engine_norms_and_rotates_q_and_k_in_one_kernel(served, monkeypatch):
+    """vLLM's Qwen3 attention runs `qk_norm_rotary` (the installed forward, not vLLM's fallback), once per
+    layer and call: a prefill (eager; the decode steps replay CUDA graphs captured through the same code)."""
+    engine, _, config, *_ = served
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return qk_norm_rotary(*args)
+    monkeypatch.setattr(batch_invariant_backward, "qk_norm_rotary", counted)
+    sample(engine, config["vocab_size"], 2, seed=7, prompt_lens=(300, 300), new_tokens=(2, 2))
+    assert len(calls) >= config["num_hidden_layers"] and sum(calls) >= 600 * config["num_hidden_layers"]
 
 
 def test_every_sampled_token_logprob_is_bitwise_vllms(served):
@@ -697,6 +713,34 @@ def test_rms_norm_rows_is_bitwise_vllms_norm_and_the_add_before_it():
             checked += 1
         assert bits_differ(rms_norm_rows(x[0], w, eps), rms_norm_batch_invariant(x[0], w, eps)) == 0, name  # 1-D
     print(f"\n[rms_norm_rows] {checked} (shape, rows) pairs, norm, add + norm and q/k heads bitwise vLLM's")
+
+
+def test_qk_norm_rotary_is_bitwise_the_norms_and_vllms_rotary_it_replaces():
+    """`qk_norm_rotary`, which the engine runs for Qwen3's q and k: for the heads of every Qwen3 (30B-A3B's
+    32/4 and the demo model's heads of 64 among them), at row counts from 1 to 32k and positions anywhere in
+    40,960, exactly the bits of `rms_norm_rows` on q's and k's heads (vLLM's norm) and then vLLM's
+    `rotary_embedding` op on them (the trainer's calls)."""
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    from batch_invariant_backward import rms_norm_rows, rope_cos_sin_cache
+
+    g, eps, checked = torch.Generator(device="cuda").manual_seed(0), 1e-6, 0
+    heads = {name: (h, kv, 128) for name, (_, _, h, kv) in QWEN3_SHAPES.items()}
+    for name, (h, kv, hd) in (heads | {"30b-a3b": (32, 4, 128), "demo": (4, 2, 64)}).items():
+        table = rope_cos_sin_cache(SimpleNamespace(head_dim=hd, rope_theta=1e6, max_seq_len=40960), torch.bfloat16)
+        table = table.cuda()
+        wq, wk = (1 + 0.1 * torch.randn(2, hd, device="cuda", generator=g)).bfloat16()
+        for m in ROWS:
+            qkv = (torch.randn(m, (h + 2 * kv) * hd, device="cuda", generator=g) * 3).bfloat16()
+            q, k, _ = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
+            q, k = q.view(m, h, hd), k.view(m, kv, hd)
+            positions = torch.randint(0, 40960, (m,), device="cuda", generator=g)
+            q_ref, k_ref = rms_norm_rows(q, wq, eps), rms_norm_rows(k, wk, eps)
+            torch.ops._C.rotary_embedding(positions, q_ref.view(m, -1), k_ref.view(m, -1), hd, table, True)
+            ours = qk_norm_rotary(q, k, wq, wk, eps, positions, table)
+            assert bits_differ(ours[0], q_ref) == bits_differ(ours[1], k_ref) == 0, (name, m)
+            checked += 1
+    print(f"\n[qk_norm_rotary] {checked} (heads, rows) pairs bitwise the two norms and vLLM's rotary")
 
 
 def vllms_log_softmax(x: torch.Tensor) -> torch.Tensor:

@@ -245,6 +245,28 @@ def test_vllm_holds_the_rotary_table_in_fp32_with_the_trainers_values():
     assert trainers.dtype == torch.float32 and torch.equal(table.view(torch.int32), trainers.view(torch.int32))
 
 
+def test_the_engines_qwen3_attention_keeps_vllms_forward_where_its_rotary_is_not_the_neox_kernel():
+    """`install_exact_kernels` gives vLLM's Qwen3 and Qwen3-MoE attention one kernel for q and k's norms and
+    rotation (`exact_qwen3_attention`), once however often it is called; a rotary not dispatched to vLLM's
+    CUDA kernel (here the CPU's) goes to vLLM's own forward."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.models import qwen3, qwen3_moe
+
+    from batch_invariant_backward import exact_qwen3_attention, install_exact_kernels
+
+    install_exact_kernels()
+    installed = [vars(attention)["forward"] for attention in (qwen3.Qwen3Attention, qwen3_moe.Qwen3MoeAttention)]
+    install_exact_kernels()
+    assert [vars(attention)["forward"] for attention in (qwen3.Qwen3Attention, qwen3_moe.Qwen3MoeAttention)] == installed
+    assert all(forward.func is exact_qwen3_attention for forward in installed)  # functools.partialmethod
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        rope = get_rope(64, 4096, rope_parameters={"rope_theta": 1_000_000}, dtype=torch.bfloat16)
+    attention = SimpleNamespace(rotary_emb=rope, head_dim=64)
+    assert exact_qwen3_attention(attention, "positions", "hidden", vllm_forward=lambda *a: a) == (
+        attention, "positions", "hidden")
+
+
 class Uva:
     """A UvaBackedTensor of vLLM's V2 runner (host numpy and device views of one buffer; CUDA only): a CPU
     tensor and its numpy view."""
