@@ -678,8 +678,8 @@ def _qk_norm_rotary_kernel(qkv, qkv_row_stride, q_weight, k_weight, q_out, k_out
     """One q or k head of one token, read in the qkv projection's output: `_rms_norm_rows_kernel`'s norm
     (the same sum of one 256-wide block in one warp: its bits), rounded to bf16, then vLLM's neox rotary
     (`rotary_embedding_kernel`: the pair of columns i and i + head_dim / 2 in fp32, rotated by the table's
-    cos and sin at the token's position, rounded to bf16). The table holds bf16 values, so each product of
-    two bf16 values is exact in fp32, and whether a compiler fuses it into an FMA changes no bit."""
+    cos and sin at the token's position, rounded to bf16). The fp32 table holds bf16 values, so each product
+    of two bf16 (or fp16) values is exact in fp32, and whether a compiler fuses it into an FMA changes no bit."""
     token, head = tl.program_id(0) // (n_heads + n_kv_heads), tl.program_id(0) % (n_heads + n_kv_heads)
     x = qkv + token.to(tl.int64) * qkv_row_stride + head * head_dim  # k's heads follow q's in the row
     if head < n_heads:
@@ -714,10 +714,10 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
     adjacent = (q.stride(-1) == k.stride(-1) == 1 and q.stride(1) == k.stride(1) == D
                 and (T == 1 or q.stride(0) == k.stride(0))
                 and k.data_ptr() == q.data_ptr() + H * D * q.element_size())
-    if not (adjacent and D % 2 == 0 and D <= 256 and cos_sin_cache.dtype == torch.float32
-            and cos_sin_cache.shape[1] == D):
+    if not (adjacent and D % 2 == 0 and D <= 256 and q.dtype in (torch.bfloat16, torch.float16)
+            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[1] == D):
         raise ValueError(f"qk_norm_rotary: q {tuple(q.shape)} and k {tuple(k.shape)} must be adjacent heads "
-                         f"of one qkv row (head_dim even, <= 256), the table fp32 of width head_dim")
+                         f"of one bf16 or fp16 qkv row (head_dim even, <= 256), the table fp32 of width head_dim")
     q_out, k_out = q.new_empty(T, H, D), k.new_empty(T, Hk, D)
     if T:
         _qk_norm_rotary_kernel[(T * (H + Hk),)](
@@ -1325,15 +1325,16 @@ def exact_qwen3_attention(self, positions, hidden_states, *, vllm_forward: Calla
     from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
     rope = self.rotary_emb
-    if (getattr(rope._forward_method, "__func__", None) is not RotaryEmbedding.forward_cuda
+    if (getattr(getattr(rope, "_forward_method", None), "__func__", None) is not RotaryEmbedding.forward_cuda
             or not rope.is_neox_style or rope.rotary_dim != self.head_dim or rope.use_flashinfer):
         return vllm_forward(self, positions, hidden_states)
     qkv, _ = self.qkv_proj(hidden_states)
     q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-    T, D = qkv.shape[0], self.head_dim
-    q, k = qk_norm_rotary(q.view(T, -1, D), k.view(T, -1, D), self.q_norm.weight, self.k_norm.weight,
-                          self.q_norm.variance_epsilon, positions, rope._match_cos_sin_cache_dtype(q))
-    output, _ = self.o_proj(self.attn(q.view(T, -1), k.view(T, -1), v))
+    T, H, Hk, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+    q, k = qk_norm_rotary(q.view(T, H, D), k.view(T, Hk, D), self.q_norm.weight, self.k_norm.weight,
+                          self.q_norm.variance_epsilon,  # vLLM builds both norms with the config's one eps
+                          positions, rope._match_cos_sin_cache_dtype(q))
+    output, _ = self.o_proj(self.attn(q.view(T, H * D), k.view(T, Hk * D), v))
     return output
 
 
@@ -1591,15 +1592,20 @@ def as_rows(x) -> torch.Tensor:
 
 def vllm_trace(llm, tokens: list[int]) -> dict:
     """The divergence locator's tensors from vLLM's served Qwen3 (a `vllm.LLM`), by (layer, op) as the
-    trainer names them: forward hooks on its modules during a prefill of `tokens` (one token sampled, which
-    computes the last row's logits)."""
+    trainer names them: hooks on its modules during a prefill of `tokens` (one token sampled, which computes
+    the last row's logits)."""
     from vllm import SamplingParams, TokensPrompt
 
     trace, handles = {}, []
 
     def hook(key, pick):  # fires at each call: a prefill in chunks calls each module once a chunk
-        def record(module, inputs, output=None):  # a forward hook's, or a pre-hook's (then `pick(inputs)`)
-            trace.setdefault(key, []).append(as_rows(pick(inputs if output is None else output)).clone())
+        def record(module, inputs, output):
+            trace.setdefault(key, []).append(as_rows(pick(output)).clone())
+        return record
+
+    def rotated(key):  # a pre-hook on the attention layer: its q and k inputs, normed and rotated
+        def record(module, inputs):
+            trace.setdefault(key, []).append(as_rows(inputs[:2]).clone())
         return record
 
     def first(output):  # vLLM's linear layers return (output, bias), its fused add+norms (output, residual)
@@ -1607,9 +1613,6 @@ def vllm_trace(llm, tokens: list[int]) -> dict:
 
     def second(output):
         return output[1]
-
-    def query_and_key(inputs):  # the attention layer's (q, k, v) inputs: q and k normed and rotated
-        return inputs[0], inputs[1]
 
     def register(served):
         hooks = [(served.model.embed_tokens, (0, "residual_in"), first),
@@ -1625,11 +1628,13 @@ def vllm_trace(llm, tokens: list[int]) -> dict:
             else:
                 modules |= {"gate_up": mlp.gate_up_proj, "swiglu": mlp.act_fn, "down": mlp.down_proj}
             hooks += [(module, (i, op), first) for op, module in modules.items()]
-            hooks += [(att.attn, (i, "rotary"), query_and_key), (post, (i, "residual"), second)]
+            hooks.append((post, (i, "residual"), second))
             if i:
                 hooks.append((layer.input_layernorm, (i, "residual_in"), second))
-        handles.extend(module.register_forward_pre_hook(hook(key, pick)) if pick is query_and_key
-                       else module.register_forward_hook(hook(key, pick)) for module, key, pick in hooks)
+            # The exact engine norms and rotates q and k in one kernel (`exact_qwen3_attention`; q_norm and
+            # k_norm then do not run): the rotation's output is what the attention layer is given.
+            handles.append(att.attn.register_forward_pre_hook(rotated((i, "rotary"))))
+        handles.extend(module.register_forward_hook(hook(key, pick)) for module, key, pick in hooks)
 
     llm.apply_model(register)
     try:

@@ -186,9 +186,10 @@ def test_the_norm_and_log_softmax_refuse_what_would_not_give_vllms_bits():
         bib.embedding_grad(x, torch.zeros(4, dtype=torch.long), 3, torch.zeros(3, 8, dtype=torch.bfloat16))
     qkv, table, positions = torch.zeros(5, 8 * 16, dtype=torch.bfloat16), torch.zeros(64, 16), torch.zeros(5).long()
     q, k, v = qkv.view(5, 8, 16).split([4, 2, 2], dim=1)
+    q32, k32, _ = qkv.float().view(5, 8, 16).split([4, 2, 2], dim=1)  # fp32 products are not exact
     for args in [(q, v, table), (q[:, :3], k, table), (q, k, table.bfloat16()), (q, k, table[:, :8]),
-                 (q.contiguous(), k, table)]:  # k not next to q; a gap; a bf16 table; a half-width one; a copy
-        with pytest.raises(ValueError, match="qk_norm_rotary"):
+                 (q.contiguous(), k, table), (q32, k32, table)]:  # k not next to q; a gap; a bf16 table; a
+        with pytest.raises(ValueError, match="qk_norm_rotary"):  # half-width one; a copy; fp32 heads
             bib.qk_norm_rotary(args[0], args[1], qkv[0, :16], qkv[0, :16], 1e-6, positions, args[2])
 
 

@@ -3,7 +3,7 @@ HF -> trainer -> HF round trip, and a full forward + backward."""
 
 import json
 import math
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import numpy as np
 import pytest
@@ -250,7 +250,7 @@ def test_the_engines_qwen3_attention_keeps_vllms_forward_where_its_rotary_is_not
     rotation (`exact_qwen3_attention`), once however often it is called; a rotary not dispatched to vLLM's
     CUDA kernel (here the CPU's) goes to vLLM's own forward."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope
     from vllm.model_executor.models import qwen3, qwen3_moe
 
     from batch_invariant_backward import exact_qwen3_attention, install_exact_kernels
@@ -262,9 +262,14 @@ def test_the_engines_qwen3_attention_keeps_vllms_forward_where_its_rotary_is_not
     assert all(forward.func is exact_qwen3_attention for forward in installed)  # functools.partialmethod
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
         rope = get_rope(64, 4096, rope_parameters={"rope_theta": 1_000_000}, dtype=torch.bfloat16)
-    attention = SimpleNamespace(rotary_emb=rope, head_dim=64)
-    assert exact_qwen3_attention(attention, "positions", "hidden", vllm_forward=lambda *a: a) == (
-        attention, "positions", "hidden")
+    cuda = SimpleNamespace(is_neox_style=True, rotary_dim=64, use_flashinfer=False)
+    cuda._forward_method = MethodType(RotaryEmbedding.forward_cuda, cuda)  # as a CUDA process dispatches
+    for other in [rope, SimpleNamespace(**vars(cuda) | {"is_neox_style": False}),  # GPT-J's pairs
+                  SimpleNamespace(**vars(cuda) | {"rotary_dim": 32}),  # a partial rotation
+                  SimpleNamespace(**vars(cuda) | {"use_flashinfer": True})]:
+        attention = SimpleNamespace(rotary_emb=other, head_dim=64)
+        assert exact_qwen3_attention(attention, "positions", "hidden", vllm_forward=lambda *a: a) == (
+            attention, "positions", "hidden")
 
 
 class Uva:
