@@ -333,7 +333,7 @@ def packed_micro_batches(prompts, completions, token_budget: int, device, world:
 # Each forward runs the kernels vLLM 0.20 runs for the module in eager batch-invariant mode (CUDA graphs
 # replay the same), in the same order and dtypes; KERNEL_CALLS names them in order for the locator.
 class Attention(nn.Module):
-    KERNEL_CALLS = ("qkv", "q_norm", "k_norm", "rotary", "attention", "o_proj")
+    KERNEL_CALLS = ("qkv", "rotary", "attention", "o_proj")
 
     def __init__(self, args, kernels: Kernels):
         super().__init__()
@@ -348,9 +348,9 @@ class Attention(nn.Module):
         ops, a = self.kernels, self.args
         T, H, Hk, D = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
         q, k, v = ops.linear(x, self.wqkv.weight).split([H * D, Hk * D, Hk * D], dim=-1)
-        q = ops.rms_norm(q.reshape(T, H, D), self.q_norm.weight, a.norm_eps)  # per-head norm (T, H, D)
-        k = ops.rms_norm(k.reshape(T, Hk, D), self.k_norm.weight, a.norm_eps)  # (T, Hk, D)
-        q, k = ops.rotary(q, k, positions, cos_sin_cache)
+        # Each head RMS-normed, then rotated: one kernel, as the engine runs it (q (T, H, D), k (T, Hk, D)).
+        q, k = ops.qk_norm_rotary(q.view(T, H, D), k.view(T, Hk, D), self.q_norm.weight, self.k_norm.weight,
+                                  a.norm_eps, positions, cos_sin_cache)
         out = ops.attention(q, k, v.reshape(T, Hk, D), cu_seqlens, max_seqlen, D**-0.5)  # (T, H, D)
         return ops.linear(out.reshape(T, H * D), self.wo.weight)
 

@@ -45,8 +45,9 @@ def cases():
                          lambda x, w, r: bib.rms_norm_reference(x, w, 1e-6, r),
                          (torch.randn(T, 8, **f64), torch.randn(8, **f64), torch.randn(T, 8, **f64)), ()),
         "silu_and_mul": (bib.SiluAndMul.apply, bib.silu_and_mul_reference, (torch.randn(T, 10, **f64),), ()),
-        "rotary": (bib.Rotary.apply, bib.rotary_reference,
-                   (torch.randn(T, 4, 6, **f64), torch.randn(T, 2, 6, **f64)), (positions, cache)),
+        "qk_norm_rotary": (bib.QKNormRotary.apply, bib.qk_norm_rotary_reference,
+                           (torch.randn(T, 4, 6, **f64), torch.randn(T, 2, 6, **f64), torch.randn(6, **f64),
+                            torch.randn(6, **f64)), (1e-6, positions, cache)),
         "attention": (bib.FlashAttention.apply, lambda q, k, v, cu, m, s: bib.attention_reference(q, k, v, cu, s)[0],
                       (torch.randn(T, 4, 3, **f64), torch.randn(T, 2, 3, **f64), torch.randn(T, 2, 3, **f64)),
                       (cu, max_len, 0.6)),
@@ -171,7 +172,7 @@ def test_the_norm_and_log_softmax_refuse_what_would_not_give_vllms_bits():
     residual of x's shape and dtype (PyTorch's add would broadcast or promote) and a weight a value a column;
     `rms_norm_backward` an eps > 0 and the sum's gradient of x's shape and dtype; `embedding_grad` an fp32
     sum of the weight's shape to add to; `qk_norm_rotary` q and k as adjacent heads of one qkv row and the
-    fp32 table (it reads them where they lie)."""
+    fp32 table (it reads them where they lie), and no more warps than heads a program (a head in one warp)."""
     with pytest.raises(ValueError, match="fp32"):
         bib.split_log_softmax(torch.zeros(2, 8, dtype=torch.bfloat16))
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
@@ -191,6 +192,9 @@ def test_the_norm_and_log_softmax_refuse_what_would_not_give_vllms_bits():
                  (q.contiguous(), k, table), (q32, k32, table)]:  # k not next to q; a gap; a bf16 table; a
         with pytest.raises(ValueError, match="qk_norm_rotary"):  # half-width one; a copy; fp32 heads
             bib.qk_norm_rotary(args[0], args[1], qkv[0, :16], qkv[0, :16], 1e-6, positions, args[2])
+    for heads, warps in [(2, 4), (3, 1), (4, 3), (4, 0)]:  # a head over two warps; not powers of two; none
+        with pytest.raises(ValueError, match="warps no more than"):
+            bib.qk_norm_rotary(q, k, qkv[0, :16], qkv[0, :16], 1e-6, positions, table, heads, warps)
 
 
 def test_tempered_logits_never_alias_the_logits():

@@ -461,12 +461,29 @@ def test_gradients_match_autograd_within_bf16_tolerance(served, entropy_coef):
     print(f"\n[{name}] worst gradient relative error vs fp32 autograd: {worst:.2e}")
 
 
-def test_the_fused_adds_give_the_unfused_ops_gradient_sums_bit_for_bit():
-    """The residual adds fused into the norms (both passes) and the embedding's gradient added to its fp32 sum
-    in its kernel give the logprobs, the entropies and every parameter's fp32 gradient sum (`main_grad`, as
-    `MasterWeights` keeps it) bit for bit as a bf16 add before each norm and the embedding's bf16 gradient
-    folded after the backward give them: the 1.7B shape (4 layers, tied), 3 micro-batches of ~8k tokens."""
-    from batch_invariant_backward import EXACT, BatchInvariantRMSNorm, Embedding
+def test_the_fused_ops_give_the_unfused_ops_gradient_sums_bit_for_bit():
+    """The residual adds fused into the norms (both passes), the embedding's gradient added to its fp32 sum
+    in its kernel, and q's and k's norms and rotation in one kernel give the logprobs, the entropies and every
+    parameter's fp32 gradient sum (`main_grad`, as `MasterWeights` keeps it) bit for bit as a bf16 add before
+    each norm, the embedding's bf16 gradient folded after the backward, and the two norms and vLLM's rotary op
+    apart give them: the 1.7B shape (4 layers, tied), 3 micro-batches of ~8k tokens."""
+    from batch_invariant_backward import (EXACT, BatchInvariantRMSNorm, Embedding, _vllm_rotary,
+                                          inverse_rotation)
+
+    class Rotary(torch.autograd.Function):  # vLLM's rotary op; backward: the op with the sines negated
+        @staticmethod
+        def forward(ctx, q, k, positions, table):
+            ctx.save_for_backward(positions, table)
+            return _vllm_rotary(q, k, positions, table)
+
+        @staticmethod
+        def backward(ctx, grad_q, grad_k):
+            positions, table = ctx.saved_tensors
+            return *_vllm_rotary(grad_q, grad_k, positions, inverse_rotation(table)), None, None
+
+    def unfused_qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, table):
+        q, k = BatchInvariantRMSNorm.apply(q, q_weight, eps), BatchInvariantRMSNorm.apply(k, k_weight, eps)
+        return Rotary.apply(q, k, positions, table)
 
     def unfused_norm(x, weight, eps, residual=None):
         if residual is None:
@@ -484,7 +501,8 @@ def test_the_fused_adds_give_the_unfused_ops_gradient_sums_bit_for_bit():
     batches = [simple_rl.pack_sequences([s[:60] for s in part], [s[60:] for s in part], "cuda")
                for part in (seqs[:16], seqs[16:32], seqs[32:])]
     weights, results = None, []
-    unfused = dataclasses.replace(EXACT, rms_norm=unfused_norm, embedding=unfused_embedding)
+    unfused = dataclasses.replace(EXACT, rms_norm=unfused_norm, embedding=unfused_embedding,
+                                  qk_norm_rotary=unfused_qk_norm_rotary)
     for kernels in (EXACT, unfused):
         torch.manual_seed(0)
         with torch.device("cuda"):
@@ -506,7 +524,7 @@ def test_the_fused_adds_give_the_unfused_ops_gradient_sums_bit_for_bit():
         del model, masters
     for a, b in zip(*results):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
-    print(f"\n[fused adds] {len(results[0]) - 6} gradient sums and 3 micro-batches' logprobs bit for bit")
+    print(f"\n[fused ops] {len(results[0]) - 6} gradient sums and 3 micro-batches' logprobs bit for bit")
 
 
 def test_triton_backwards_round_once_and_reach_past_int32_offsets():
@@ -720,7 +738,8 @@ def test_qk_norm_rotary_is_bitwise_the_norms_and_vllms_rotary_it_replaces():
     """`qk_norm_rotary`, which the engine runs for Qwen3's q and k: for the heads of every Qwen3 (30B-A3B's
     32/4 and the demo model's heads of 64 among them), at row counts from 1 to 32k and positions anywhere in
     40,960, exactly the bits of `rms_norm_rows` on q's and k's heads (vLLM's norm) and then vLLM's
-    `rotary_embedding` op on them (the trainer's calls)."""
+    `rotary_embedding` op on them (the three launches it replaces, in the engine and the trainer); the
+    defaults and each of 12 ways to lay a program's heads over its warps."""
     import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
 
     from batch_invariant_backward import rms_norm_rows, rope_cos_sin_cache
@@ -738,10 +757,13 @@ def test_qk_norm_rotary_is_bitwise_the_norms_and_vllms_rotary_it_replaces():
             positions = torch.randint(0, 40960, (m,), device="cuda", generator=g)
             q_ref, k_ref = rms_norm_rows(q, wq, eps), rms_norm_rows(k, wk, eps)
             torch.ops._C.rotary_embedding(positions, q_ref.view(m, -1), k_ref.view(m, -1), hd, table, True)
-            ours = qk_norm_rotary(q, k, wq, wk, eps, positions, table)
-            assert bits_differ(ours[0], q_ref) == bits_differ(ours[1], k_ref) == 0, (name, m)
+            for heads, warps in ((0, 0), (1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8),
+                                 (16, 4), (16, 8), (32, 8)):
+                ours = qk_norm_rotary(q, k, wq, wk, eps, positions, table, heads, warps)
+                assert bits_differ(ours[0], q_ref) == bits_differ(ours[1], k_ref) == 0, (name, m, heads, warps)
             checked += 1
-    print(f"\n[qk_norm_rotary] {checked} (heads, rows) pairs bitwise the two norms and vLLM's rotary")
+    print(f"\n[qk_norm_rotary] {checked} (heads, rows) pairs bitwise the two norms and vLLM's rotary, "
+          "each laid over a program's warps 13 ways")
 
 
 def vllms_log_softmax(x: torch.Tensor) -> torch.Tensor:
