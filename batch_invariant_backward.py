@@ -681,7 +681,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
 def _qk_norm_rotary_kernel(qkv, qkv_row_stride, q_weight, k_weight, q_out, k_out, positions, cos_sin,
                            cos_sin_stride, n_heads, n_kv_heads, head_dim, eps, HEADS: tl.constexpr,
                            BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr):
-    """HEADS q or k heads of one token, read in the qkv projection's output, a warp's row each:
+    """HEADS q or k heads of one token, read in the qkv projection's output, each head a row within one warp:
     `_rms_norm_rows_kernel`'s norm (the same sum of one 256-wide block across a warp's 32 lanes: its bits),
     rounded to bf16, then vLLM's neox rotary (`rotary_embedding_kernel`: the pair of columns i and
     i + head_dim / 2 in fp32, rotated by the table's cos and sin at the token's position, rounded to bf16).
@@ -719,22 +719,26 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
                    warps: int = 0):
     """Qwen3's q and k heads (T, H, D) and (T, Hk, D), views into the qkv projection's output, each head
     RMS-normed and rotated (neox, the fp32 table of `rope_cos_sin_cache`'s values): the bits of
-    `rms_norm_rows` on each, then vLLM's `rotary_embedding`, in one launch where the engine took three;
+    `rms_norm_rows` on each, then vLLM's `rotary_embedding`, in one launch where vLLM takes three;
     a program `heads` heads of a token over `warps` <= `heads` warps (powers of two: each head's row within one
     warp, so no choice moves a bit). -> new (q, k). tests/test_gpu.py checks the bits."""
     (T, H, D), Hk = q.shape, k.shape[1]
-    adjacent = (q.stride(-1) == k.stride(-1) == 1 and q.stride(1) == k.stride(1) == D
-                and (T == 1 or q.stride(0) == k.stride(0))
+    # Each head's 256-wide row lies in one warp, 8 columns a lane, only where Triton sees 16-byte alignment
+    # (Qwen3's head_dim is 64, 128 or 256, the qkv row a fresh tensor): elsewhere it could spread a row.
+    adjacent = (q.stride(-1) == k.stride(-1) == 1 and q.stride(1) == k.stride(1) == D and q.dtype == k.dtype
+                and (T == 1 or q.stride(0) == k.stride(0)) and q.stride(0) % 16 == q.data_ptr() % 16 == 0
                 and k.data_ptr() == q.data_ptr() + H * D * q.element_size())
+    if not (T == 0 or adjacent) or not (D % 16 == 0 and D <= 256 and q.dtype in (torch.bfloat16, torch.float16)
+                                        and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[1] == D):
+        raise ValueError(f"qk_norm_rotary: q {tuple(q.shape)} and k {tuple(k.shape)} must be adjacent heads "
+                         f"of one 16-byte aligned bf16 or fp16 qkv row (head_dim a multiple of 16, <= 256), the "
+                         f"table fp32 of width head_dim")
     # Measured on an H200 over 28-36 layers: a decode step's rows run fastest as 8 heads over 8 warps, a
     # prefill's as 4 heads in one warp (2.3-5x the three launches' speed).
     heads, warps = (heads, warps) if heads else (8, 8) if T <= 512 else (4, 1)
-    if not (adjacent and D % 2 == 0 and D <= 256 and q.dtype in (torch.bfloat16, torch.float16)
-            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[1] == D
-            and 0 < warps <= heads and heads & (heads - 1) == warps & (warps - 1) == 0):
-        raise ValueError(f"qk_norm_rotary: q {tuple(q.shape)} and k {tuple(k.shape)} must be adjacent heads "
-                         f"of one bf16 or fp16 qkv row (head_dim even, <= 256), the table fp32 of width "
-                         f"head_dim, {warps} warps no more than {heads} heads a program (powers of two)")
+    if not (0 < warps <= min(heads, 32) and heads & (heads - 1) == warps & (warps - 1) == 0):
+        raise ValueError(f"qk_norm_rotary: {warps} warps over {heads} heads a program: powers of two, a head "
+                         f"a row within one warp (no more warps than heads, 32 at most)")
     q_out, k_out = q.new_empty(T, H, D), k.new_empty(T, Hk, D)
     if T:
         _qk_norm_rotary_kernel[(T, triton.cdiv(H + Hk, heads))](
@@ -747,8 +751,8 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
 class BatchInvariantRMSNorm(torch.autograd.Function):
     """`rms_norm_batch_invariant`: vLLM's Triton RMSNorm, one program per row (`rms_norm_rows`: its bits).
     With the fused add+norm replaced by this kernel with the add in front (`install_exact_kernels`), it is
-    every norm of the model. With `residual`: (norm(x + residual), x + residual), the bf16 add fused in.
-    Backward, with r = rsqrt(mean(x^2) + eps) and gw = dy * w:
+    every norm of the model but q's and k's (`QKNormRotary`). With `residual`: (norm(x + residual),
+    x + residual), the bf16 add fused in. Backward, with r = rsqrt(mean(x^2) + eps) and gw = dy * w:
     dx = r * (gw - x * r^2 * mean(gw * x)), dw = sum over rows of dy * x * r; on CUDA in one Triton pass
     (`rms_norm_backward`), on the CPU in plain PyTorch. With the add, the sum's own gradient (from the layers
     above) is added to dx as autograd's bf16 add would, and the total is the gradient of x and of residual.

@@ -1113,10 +1113,30 @@ def vllm_norm(x, weight, eps, residual=None):
     return rms_norm_batch_invariant(residual, weight, eps), residual
 
 
-def decode_norms_ms(shape: str, layers: int, m: int, norm) -> float:
+def vllms_qk_norm_rotary(q, k, weight, eps, positions, cos_sin_cache):
+    """What vLLM 0.20's Qwen3 attention runs before attending: q's and k's per-head norms, then its rotary op."""
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    (T, _, D), (q, k) = q.shape, (vllm_norm(q, weight, eps), vllm_norm(k, weight, eps))
+    torch.ops._C.rotary_embedding(positions, q.view(T, -1), k.view(T, -1), D, cos_sin_cache, True)
+    return q, k
+
+
+def exact_qk_norm_rotary(q, k, weight, eps, positions, cos_sin_cache):
+    """The same in one kernel, as the exact engine and the trainer run it."""
+    from batch_invariant_backward import qk_norm_rotary
+
+    return qk_norm_rotary(q, k, weight, weight, eps, positions, cos_sin_cache)
+
+
+def decode_norms_ms(shape: str, layers: int, m: int, norm, qk_norm_rotary) -> float:
     """Milliseconds of one decode step's RMSNorms at m rows, as one CUDA graph: each layer's input norm (after
-    the residual add from layer 1 on), q and k heads (views into the qkv projection's output, as vLLM's Qwen3
-    norms them) and post-attention add + norm, then the final add + norm."""
+    the residual add from layer 1 on), q and k heads normed and rotated (views into the qkv projection's
+    output) and post-attention add + norm, then the final add + norm."""
+    from types import SimpleNamespace
+
+    from batch_invariant_backward import rope_cos_sin_cache
+
     c = shape_config(shape)
     d, h, kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     x, residual = (torch.randn(m, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -1124,11 +1144,13 @@ def decode_norms_ms(shape: str, layers: int, m: int, norm) -> float:
     q, k = qkv[:, : h * hd].view(m, h, hd), qkv[:, h * hd : (h + kv) * hd].view(m, kv, hd)
     w, w_head = (torch.ones(d, device="cuda", dtype=torch.bfloat16),
                  torch.ones(hd, device="cuda", dtype=torch.bfloat16))
+    table = rope_cos_sin_cache(SimpleNamespace(head_dim=hd, rope_theta=1e6, max_seq_len=4096), torch.bfloat16)
+    table, positions = table.cuda(), torch.randint(0, 4096, (m,), device="cuda")
 
     def step():
         for i in range(layers):
             norm(x, w, 1e-6, residual if i else None)
-            norm(q, w_head, 1e-6), norm(k, w_head, 1e-6)
+            qk_norm_rotary(q, k, w_head, 1e-6, positions, table)
             norm(x, w, 1e-6, residual)
         norm(x, w, 1e-6, residual)
     return graph_ms(step)
@@ -1205,13 +1227,14 @@ def norm_and_log_softmax_benchmark(shape: str, n_layers: int) -> dict:
     from batch_invariant_backward import rms_norm_rows, split_log_softmax, split_token_logprobs
 
     out = {"norms_ms": {}, "log_softmax_ms": {}, "token_logprobs_ms": {}}
+    sides = ((vllm_norm, vllms_qk_norm_rotary), (rms_norm_rows, exact_qk_norm_rotary))
     vocab = shape_config(shape)["vocab_size"]
-    print(f"\nOne decode step's RMSNorms ({n_layers} layers; CUDA graph replays), the log-softmax over "
-          f"{vocab:,} columns, and the drawn tokens' logprobs: vLLM's against simple_rl.py's")
-    print(f"  {'rows':>6}{'norms, vLLM':>14}{'rms_norm_rows':>15}{'ratio':>8}{'log-softmax, vLLM':>20}"
+    print(f"\nOne decode step's RMSNorms and q and k's rotation ({n_layers} layers; CUDA graph replays), the "
+          f"log-softmax over {vocab:,} columns, and the drawn tokens' logprobs: vLLM's against simple_rl.py's")
+    print(f"  {'rows':>6}{'norms, vLLM':>14}{'ours':>15}{'ratio':>8}{'log-softmax, vLLM':>20}"
           f"{'split':>10}{'ratio':>8}{'token logprobs, vLLM':>23}{'split':>10}{'ratio':>8}")
     for m in (32, 256):
-        norms = [decode_norms_ms(shape, n_layers, m, norm) for norm in (vllm_norm, rms_norm_rows)]
+        norms = [decode_norms_ms(shape, n_layers, m, *side) for side in sides]
         logits = torch.randn(m, vocab, device="cuda")
         softmaxes = [triton.testing.do_bench(lambda: fn(logits)) for fn in (log_softmax, split_log_softmax)]
         tokens = torch.randint(0, vocab, (m,), device="cuda")
@@ -1223,8 +1246,7 @@ def norm_and_log_softmax_benchmark(shape: str, n_layers: int) -> dict:
               f"{softmaxes[0]:>17.3f} ms{softmaxes[1]:>7.3f} ms{softmaxes[1] / softmaxes[0]:>7.2f}x"
               f"{tokens_ms[0]:>20.3f} ms{tokens_ms[1]:>7.3f} ms{tokens_ms[1] / tokens_ms[0]:>7.2f}x")
     m = 8192  # a training micro-batch's tokens: its forward runs these norms too
-    out["norms_ms"][m] = norms = [decode_norms_ms(shape, n_layers, m, norm)
-                                  for norm in (vllm_norm, rms_norm_rows)]
+    out["norms_ms"][m] = norms = [decode_norms_ms(shape, n_layers, m, *side) for side in sides]
     print(f"  {m:>6}{norms[0]:>11.3f} ms{norms[1]:>12.3f} ms{norms[1] / norms[0]:>7.2f}x"
           "  (a micro-batch's forward)")
     return out

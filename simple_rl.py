@@ -330,8 +330,8 @@ def packed_micro_batches(prompts, completions, token_budget: int, device, world:
             for idx in groups]
 
 
-# Each forward runs the kernels vLLM 0.20 runs for the module in eager batch-invariant mode (CUDA graphs
-# replay the same), in the same order and dtypes; KERNEL_CALLS names them in order for the locator.
+# Each forward runs the kernels the exact engine runs for the module (vLLM 0.20's batch-invariant ones, or
+# ours with their bits), in the same order and dtypes; KERNEL_CALLS names them in order for the locator.
 class Attention(nn.Module):
     KERNEL_CALLS = ("qkv", "rotary", "attention", "o_proj")
 

@@ -28,6 +28,7 @@ def cases():
     T = int(cu[-1])
     angles = torch.rand(16, 3, dtype=torch.float64) * 6
     cache = torch.cat((angles.cos(), angles.sin()), dim=-1)  # (max positions, D/2 cos | D/2 sin)
+    frozen = torch.randn(6, dtype=torch.float64)  # a norm weight that takes no gradient
     hidden, weight = torch.randn(T, 6, **f64), torch.randn(40, 6, **f64)
     top = (hidden @ weight.t()).argmax(-1)
     tokens = torch.tensor([3, 0, 3, 8, 3, 0, 1, 3, 2, 5, 3, 0, 7])  # T of them, repeats included
@@ -48,6 +49,11 @@ def cases():
         "qk_norm_rotary": (bib.QKNormRotary.apply, bib.qk_norm_rotary_reference,
                            (torch.randn(T, 4, 6, **f64), torch.randn(T, 2, 6, **f64), torch.randn(6, **f64),
                             torch.randn(6, **f64)), (1e-6, positions, cache)),
+        # k's norm weight frozen: q's weight still has its gradient, k's none
+        "qk_norm_rotary_k_weight_frozen": (
+            lambda q, k, wq: bib.QKNormRotary.apply(q, k, wq, frozen, 1e-6, positions, cache),
+            lambda q, k, wq: bib.qk_norm_rotary_reference(q, k, wq, frozen, 1e-6, positions, cache),
+            (torch.randn(T, 4, 6, **f64), torch.randn(T, 2, 6, **f64), torch.randn(6, **f64)), ()),
         "attention": (bib.FlashAttention.apply, lambda q, k, v, cu, m, s: bib.attention_reference(q, k, v, cu, s)[0],
                       (torch.randn(T, 4, 3, **f64), torch.randn(T, 2, 3, **f64), torch.randn(T, 2, 3, **f64)),
                       (cu, max_len, 0.6)),
@@ -172,7 +178,8 @@ def test_the_norm_and_log_softmax_refuse_what_would_not_give_vllms_bits():
     residual of x's shape and dtype (PyTorch's add would broadcast or promote) and a weight a value a column;
     `rms_norm_backward` an eps > 0 and the sum's gradient of x's shape and dtype; `embedding_grad` an fp32
     sum of the weight's shape to add to; `qk_norm_rotary` q and k as adjacent heads of one qkv row and the
-    fp32 table (it reads them where they lie), and no more warps than heads a program (a head in one warp)."""
+    fp32 table (it reads them where they lie), 16-byte aligned, and no more warps than heads a program (a
+    head in one warp)."""
     with pytest.raises(ValueError, match="fp32"):
         bib.split_log_softmax(torch.zeros(2, 8, dtype=torch.bfloat16))
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
@@ -192,8 +199,15 @@ def test_the_norm_and_log_softmax_refuse_what_would_not_give_vllms_bits():
                  (q.contiguous(), k, table), (q32, k32, table)]:  # k not next to q; a gap; a bf16 table; a
         with pytest.raises(ValueError, match="qk_norm_rotary"):  # half-width one; a copy; fp32 heads
             bib.qk_norm_rotary(args[0], args[1], qkv[0, :16], qkv[0, :16], 1e-6, positions, args[2])
-    for heads, warps in [(2, 4), (3, 1), (4, 3), (4, 0)]:  # a head over two warps; not powers of two; none
-        with pytest.raises(ValueError, match="warps no more than"):
+    odd = torch.zeros(5 * 128 + 1, dtype=torch.bfloat16)[1:].view(5, 8, 16)  # 2 bytes off a 16-byte boundary
+    narrow = torch.zeros(5, 8 * 8, dtype=torch.bfloat16).view(5, 8, 8)  # head_dim 8
+    for qk, t in [(odd.split([4, 2, 2], dim=1), table), (narrow.split([4, 2, 2], dim=1), table[:, :8])]:
+        with pytest.raises(ValueError, match="16-byte aligned"):  # Triton could spread a head over warps
+            bib.qk_norm_rotary(qk[0], qk[1], qkv[0, : t.shape[1]], qkv[0, : t.shape[1]], 1e-6, positions, t)
+    none = bib.qk_norm_rotary(q[:0], k[:0], qkv[0, :16], qkv[0, :16], 1e-6, positions, table, 4, 2)
+    assert [t.shape for t in none] == [(0, 4, 16), (0, 2, 16)]  # a valid layout passes (no rows: no launch)
+    for heads, warps in [(2, 4), (3, 1), (4, 3), (4, 0), (64, 64)]:  # a head over two warps; not powers of
+        with pytest.raises(ValueError, match="heads a program"):  # two; no warp; more than a program holds
             bib.qk_norm_rotary(q, k, qkv[0, :16], qkv[0, :16], 1e-6, positions, table, heads, warps)
 
 

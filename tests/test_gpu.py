@@ -763,7 +763,7 @@ def test_qk_norm_rotary_is_bitwise_the_norms_and_vllms_rotary_it_replaces():
                 assert bits_differ(ours[0], q_ref) == bits_differ(ours[1], k_ref) == 0, (name, m, heads, warps)
             checked += 1
     print(f"\n[qk_norm_rotary] {checked} (heads, rows) pairs bitwise the two norms and vLLM's rotary, "
-          "each laid over a program's warps 13 ways")
+          "each by the defaults and 12 layouts of a program's heads over its warps")
 
 
 def vllms_log_softmax(x: torch.Tensor) -> torch.Tensor:
