@@ -685,8 +685,9 @@ def _qk_norm_rotary_kernel(qkv, qkv_row_stride, q_weight, k_weight, q_out, k_out
     `_rms_norm_rows_kernel`'s norm (the same sum of one 256-wide block across a warp's 32 lanes: its bits),
     rounded to bf16, then vLLM's neox rotary (`rotary_embedding_kernel`: the pair of columns i and
     i + head_dim / 2 in fp32, rotated by the table's cos and sin at the token's position, rounded to bf16).
-    The fp32 table holds bf16 values, so each product of two bf16 (or fp16) values is exact in fp32, and
-    whether a compiler fuses it into an FMA changes no bit."""
+    The fp32 table holds bf16 values, so each product of two bf16 (or fp16) values is exact in fp32 (unless
+    it falls below fp32's normal range, some 2^-133), and whether a compiler fuses it into an FMA changes no
+    bit."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # k's heads follow q's in the row
     is_q, is_k = head < n_heads, (head >= n_heads) & (head < n_heads + n_kv_heads)
