@@ -614,39 +614,33 @@ def head_rows(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rms_norm_rows_kernel(x, x_row_stride, x_head_stride, residual, summed, weight, out, heads, n_cols, eps,
-                          BLOCK_SIZE: tl.constexpr, ADD: tl.constexpr):
+                          BLOCK_SIZE: tl.constexpr, CHUNKS: tl.constexpr, ADD: tl.constexpr):
     """vLLM's `_rms_norm_kernel`, the same ops in the same order (its bits), for the row (token, head) of a
-    strided (T, heads, D) `x`; with ADD, of bf16(x + residual), which it also stores in `summed`."""
+    strided (T, heads, D) `x`; with ADD, of bf16(x + residual), which it also stores in `summed`. vLLM loops
+    over the row's BLOCK_SIZE-wide chunks twice (the sum of squares, then the output); here the row is read
+    once, as a (CHUNKS, BLOCK_SIZE) tile: each chunk summed across the block's lanes as vLLM sums it, the
+    chunks' sums then added in vLLM's order, first to last."""
     row = tl.program_id(0).to(tl.int64)
     x += (row // heads) * x_row_stride + (row % heads) * x_head_stride
-    residual += row * n_cols
-    summed += row * n_cols
-    out += row * n_cols
+    chunk = tl.arange(0, CHUNKS)
+    cols = chunk[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+    mask = cols < n_cols
+    vals = tl.load(x + cols, mask=mask, other=0.0)
+    if ADD:  # fp32 sum, one rounding to bf16: what PyTorch's bf16 add computes
+        vals = (vals.to(tl.float32) + tl.load(residual + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
+        vals = vals.to(out.dtype.element_ty)
+        tl.store(summed + row * n_cols + cols, vals, mask=mask)
+    vals_f32 = vals.to(tl.float32)
+    chunk_sums = tl.sum(tl.where(mask, vals_f32 * vals_f32, 0.0), axis=1)  # (CHUNKS,): a chunk's sum a row
     sum_sq = tl.zeros([1], dtype=tl.float32)
-    for col_offset in range(0, n_cols, BLOCK_SIZE):
-        cols = col_offset + tl.arange(0, BLOCK_SIZE)
-        mask = cols < n_cols
-        vals = tl.load(x + cols, mask=mask, other=0.0)
-        if ADD:  # fp32 sum, one rounding to bf16: what PyTorch's bf16 add computes
-            vals = (vals.to(tl.float32) + tl.load(residual + cols, mask=mask, other=0.0).to(tl.float32))
-            vals = vals.to(out.dtype.element_ty)
-            tl.store(summed + cols, vals, mask=mask)
-        vals_f32 = vals.to(tl.float32)
-        sq_vals = vals_f32 * vals_f32
-        sum_sq += tl.sum(tl.where(mask, sq_vals, 0.0))
+    for c in tl.static_range(CHUNKS):  # in order; a sum of one chunk's value and zeros is that value exactly
+        sum_sq += tl.sum(tl.where(chunk == c, chunk_sums, 0.0), axis=0)
     mean_sq = sum_sq / n_cols
     rms = tl.sqrt(mean_sq + eps)
     inv_rms = 1.0 / rms
-    for col_offset in range(0, n_cols, BLOCK_SIZE):
-        cols = col_offset + tl.arange(0, BLOCK_SIZE)
-        mask = cols < n_cols
-        vals = tl.load(x + cols, mask=mask, other=0.0)
-        if ADD:  # recomputed, not read back from `summed`: no thread reads another's store
-            vals = (vals.to(tl.float32) + tl.load(residual + cols, mask=mask, other=0.0).to(tl.float32))
-            vals = vals.to(out.dtype.element_ty)
-        w = tl.load(weight + cols, mask=mask, other=1.0)
-        output_f32 = vals.to(tl.float32) * inv_rms * w.to(tl.float32)
-        tl.store(out + cols, output_f32.to(out.dtype.element_ty), mask=mask)
+    w = tl.load(weight + cols, mask=mask, other=1.0)
+    output_f32 = vals_f32 * inv_rms * w.to(tl.float32)
+    tl.store(out + row * n_cols + cols, output_f32.to(out.dtype.element_ty), mask=mask)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -672,8 +666,9 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     block, warps = (256, 1) if D <= 256 else (1024, 4)
     if T * heads:
         _rms_norm_rows_kernel[(T * heads,)](rows, rows.stride(0), rows.stride(1), residual, summed, weight,
-                                            out, heads, D, eps, BLOCK_SIZE=block, ADD=summed is not out,
-                                            num_warps=warps)
+                                            out, heads, D, eps, BLOCK_SIZE=block,
+                                            CHUNKS=triton.next_power_of_2(triton.cdiv(D, block)),
+                                            ADD=summed is not out, num_warps=warps)
     return out if summed is out else (out, summed)
 
 
