@@ -680,9 +680,9 @@ def _qk_norm_rotary_kernel(qkv, qkv_row_stride, q_weight, k_weight, q_out, k_out
     `_rms_norm_rows_kernel`'s norm (the same sum of one 256-wide block across a warp's 32 lanes: its bits),
     rounded to bf16, then vLLM's neox rotary (`rotary_embedding_kernel`: the pair of columns i and
     i + head_dim / 2 in fp32, rotated by the table's cos and sin at the token's position, rounded to bf16).
-    The fp32 table holds bf16 values, so each product of two bf16 (or fp16) values is exact in fp32 (unless
-    it falls below fp32's normal range, some 2^-133), and whether a compiler fuses it into an FMA changes no
-    bit."""
+    The fp32 table holds bf16 values, so each product of two bf16 (or fp16) values is exact in fp32 unless it
+    falls below fp32's normal range (some 2^-133); the rotation takes the FMAs vLLM's compiled op forms, so
+    those round as its do too."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # k's heads follow q's in the row
     is_q, is_k = head < n_heads, (head >= n_heads) & (head < n_heads + n_kv_heads)
@@ -701,7 +701,10 @@ def _qk_norm_rotary_kernel(qkv, qkv_row_stride, q_weight, k_weight, q_out, k_out
     a, b = a.to(q_out.dtype.element_ty).to(tl.float32), b.to(q_out.dtype.element_ty).to(tl.float32)  # normed
     table = cos_sin + tl.load(positions + token) * cos_sin_stride
     cos, sin = tl.load(table + i, mask=i < half), tl.load(table + half + i, mask=i < half)
-    lo, hi = (a * cos - b * sin).to(q_out.dtype.element_ty), (b * cos + a * sin).to(q_out.dtype.element_ty)
+    # The FMAs vLLM's compiled op forms: where both products are exact (any bf16 value times a table value but
+    # the tiniest) any form gives these bits; below ~2^-133 only vLLM's form does.
+    lo = tl.fma(a, cos, -(b * sin)).to(q_out.dtype.element_ty)
+    hi = tl.fma(sin, a, b * cos).to(q_out.dtype.element_ty)
     q = q_out + (token * n_heads + head) * head_dim
     k = k_out + (token * n_kv_heads + head - n_heads) * head_dim
     tl.store(q + i, lo, mask=m & is_q)
@@ -794,12 +797,15 @@ def rms_norm_grads(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 # tiles a program vary with a micro-batch's tokens, so a new variant (0.3 s each) could compile in any step.
 @triton.jit(do_not_specialize=["n_rows", "tiles_per_program"])
 def _rms_norm_backward_kernel(grad_out, x, x_row_stride, x_head_stride, weight, grad_summed, grad_x,
-                              partial_grad_w, heads, n_rows, n_cols, eps, tiles_per_program,
-                              ROWS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+                              partial_grad_w, positions, cos_sin, cos_sin_stride, heads, n_rows, n_cols, eps,
+                              tiles_per_program, ROWS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                              ROTATED: tl.constexpr):
     """Tiles of ROWS whole rows (row = a (token, head) of a strided (T, heads, D) `x`), `tiles_per_program`
     consecutive ones a program: each row's dx in fp32, rounded once (with ADD, then added to `grad_summed`'s
     row in fp32 and rounded again: a bf16 add); the program's fp32 sum of dy * x * r over its rows, stored as
-    its row of `partial_grad_w`."""
+    its row of `partial_grad_w`. With ROTATED, `grad_out` is the gradient after a neox rotation by the
+    angles of the row's token: dy is it rotated back, rounded as vLLM's rotary op with the sines negated
+    rounds it (the pair i, i + D/2 in fp32: products of bf16 values exact, so one rounding, then to bf16)."""
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
     w = tl.load(weight + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -811,6 +817,19 @@ def _rms_norm_backward_kernel(grad_out, x, x_row_stride, x_head_stride, weight, 
         x_rows = (rows // heads) * x_row_stride + (rows % heads) * x_head_stride
         xf = tl.load(x + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(grad_out + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ROTATED:
+            half = n_cols // 2
+            low = cols < half
+            pair, other_half = tl.where(low, cols, cols - half), tl.where(low, cols + half, cols - half)
+            dy_pair = tl.load(grad_out + rows[:, None] * n_cols + other_half[None, :], mask=mask, other=0.0)
+            token = tl.load(positions + rows // heads, mask=rows < n_rows, other=0)
+            table = cos_sin + token[:, None] * cos_sin_stride + pair[None, :]
+            cos, sin = tl.load(table, mask=mask, other=0.0), tl.load(table + half, mask=mask, other=0.0)
+            dy_pair = dy_pair.to(tl.float32)
+            # The FMAs vLLM's compiled op forms: where both products are exact (any bf16 value times a table
+            # value but the tiniest) any form gives these bits; below ~2^-133 only vLLM's form does.
+            dy = tl.where(low[None, :], tl.fma(dy, cos, dy_pair * sin), tl.fma(-sin, dy_pair, dy * cos))
+            dy = dy.to(grad_x.dtype.element_ty).to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
         gw = dy * w[None, :]
         mean_gw_x = tl.sum(gw * xf, axis=1) / n_cols
@@ -824,10 +843,12 @@ def _rms_norm_backward_kernel(grad_out, x, x_row_stride, x_head_stride, weight, 
 
 
 def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                      grad_summed: torch.Tensor | None = None):
+                      grad_summed: torch.Tensor | None = None, rotated: tuple | None = None):
     """(dx, dw) of the RMSNorm of `x` (..., D) (q/k heads: a strided (T, heads, D) view, read in place) in
     one pass over x and dy: r recomputed in fp32, dx rounded once; with `grad_summed` (x's gradient from its
-    other uses, when x is a residual sum), dx + grad_summed, the bf16 add autograd would make. Each program
+    other uses, when x is a residual sum), dx + grad_summed, the bf16 add autograd would make; with `rotated`
+    (positions, the fp32 neox table), `grad_out` is the gradient of the norm's output rotated by those
+    angles (q's and k's), rotated back in the same pass. Each program
     sums dw over a fixed run of rows; the runs' sums are then added by `torch.sum` (a fixed order): the same
     bits on every call of a shape. It replaced PyTorch's fused RMSNorm backward (its norm forward again for
     r, then two kernels)."""
@@ -847,11 +868,13 @@ def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     programs = triton.cdiv(tiles, tiles_per_program)
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     partial = torch.empty(programs, D, dtype=torch.float32, device=x.device)
+    positions, table = rotated or (grad_out, grad_out)  # unread unless rotated
     if n_rows:
         _rms_norm_backward_kernel[(programs,)](grad_out, rows_view, rows_view.stride(0), rows_view.stride(1),
-                                               weight.contiguous(), grad_summed, grad_x, partial, heads,
-                                               n_rows, D, eps, tiles_per_program, ROWS=tile, BLOCK=block,
-                                               ADD=add, num_warps=8 if block >= 2048 else 4)
+                                               weight.contiguous(), grad_summed, grad_x, partial, positions,
+                                               table, table.stride(0), heads, n_rows, D, eps, tiles_per_program,
+                                               ROWS=tile, BLOCK=block, ADD=add, ROTATED=rotated is not None,
+                                               num_warps=8 if block >= 2048 else 4)
     return grad_x, partial.sum(0).to(weight.dtype)
 
 
@@ -1014,29 +1037,13 @@ class Experts(torch.autograd.Function):
         return grad_x.sum(1, dtype=acc).to(x.dtype), grad_w13, grad_w2, grad_weights, None
 
 
-def _vllm_rotary(q, k, positions, cos_sin_cache):
-    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
-
-    T, H, D = q.shape
-    q_rot, k_rot = (t.clone(memory_format=torch.contiguous_format) for t in (q, k))
-    # vLLM hands the kernel (T, heads * D) views, as the attention layer sees them.
-    torch.ops._C.rotary_embedding(positions, q_rot.view(T, -1), k_rot.view(T, -1), D, cos_sin_cache, True)
-    return q_rot, k_rot
-
-
-@functools.lru_cache(maxsize=1)  # the model's one table, keyed by identity (held here: its id not reused)
-def inverse_rotation(cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """[cos | -sin]: made once, not a 20 MB copy at every layer's backward."""
-    cos, sin = cos_sin_cache.chunk(2, dim=-1)
-    return torch.cat((cos, -sin), dim=-1)
-
-
 class QKNormRotary(torch.autograd.Function):
     """Qwen3's q (T, H, D) and k (T, Hk, D) heads, adjacent views into the qkv projection's output, each
     RMS-normed and then rotated (neox): on CUDA `qk_norm_rotary`, the engine's one kernel, with the bits of the
     three vLLM launches it replaces (q's norm, k's norm, `torch.ops._C.rotary_embedding`); on the CPU the
-    references. Backward: the inverse rotation (a rotation is orthogonal: angle -> -angle; on CUDA vLLM's
-    rotary kernel with the sines negated), then each norm's (`rms_norm_grads`)."""
+    references. Backward: the inverse rotation (a rotation is orthogonal: angle -> -angle), then each norm's;
+    on CUDA both in one pass a norm (`rms_norm_backward`, with the bits of vLLM's rotary op with the sines
+    negated, then the norm's backward)."""
 
     @staticmethod
     def forward(ctx, q, k, q_weight, k_weight, eps, positions, cos_sin_cache):
@@ -1049,13 +1056,14 @@ class QKNormRotary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         q, k, q_weight, k_weight, positions, cos_sin_cache = ctx.saved_tensors
-        if grad_q.is_cuda:
-            grad_q, grad_k = _vllm_rotary(grad_q, grad_k, positions, inverse_rotation(cos_sin_cache))
+        pairs = ((grad_q, q, q_weight), (grad_k, k, k_weight))
+        if grad_q.is_cuda:  # each norm's backward pass reads its gradient rotated back
+            (grad_q, grad_wq), (grad_k, grad_wk) = (
+                rms_norm_backward(grad, x, w, ctx.eps, rotated=(positions, cos_sin_cache)) for grad, x, w in pairs)
         else:
             cos, sin = _cos_sin(positions, cos_sin_cache, grad_q.dtype)
-            grad_q, grad_k = _rotate(grad_q, cos, -sin), _rotate(grad_k, cos, -sin)
-        (grad_q, grad_wq), (grad_k, grad_wk) = (rms_norm_grads(grad, x, w, ctx.eps)
-                                                for grad, x, w in ((grad_q, q, q_weight), (grad_k, k, k_weight)))
+            (grad_q, grad_wq), (grad_k, grad_wk) = (rms_norm_grads(_rotate(grad, cos, -sin), x, w, ctx.eps)
+                                                    for grad, x, w in pairs)
         grad_wq = into_gradient_sum(ctx.weights[0], grad_wq) if ctx.needs_input_grad[2] else None
         grad_wk = into_gradient_sum(ctx.weights[1], grad_wk) if ctx.needs_input_grad[3] else None
         return grad_q, grad_k, grad_wq, grad_wk, None, None, None

@@ -467,19 +467,26 @@ def test_the_fused_ops_give_the_unfused_ops_gradient_sums_bit_for_bit():
     parameter's fp32 gradient sum (`main_grad`, as `MasterWeights` keeps it) bit for bit as a bf16 add before
     each norm, the embedding's bf16 gradient folded after the backward, and the two norms and vLLM's rotary op
     apart give them: the 1.7B shape (4 layers, tied), 3 micro-batches of ~8k tokens."""
-    from batch_invariant_backward import (EXACT, BatchInvariantRMSNorm, Embedding, _vllm_rotary,
-                                          inverse_rotation)
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    from batch_invariant_backward import EXACT, BatchInvariantRMSNorm, Embedding
+
+    def vllms_rotary(q, k, positions, table):  # on copies, viewed (T, heads * D) as vLLM's layer hands them
+        (T, _, D), (q, k) = q.shape, (t.clone(memory_format=torch.contiguous_format) for t in (q, k))
+        torch.ops._C.rotary_embedding(positions, q.view(T, -1), k.view(T, -1), D, table, True)
+        return q, k
 
     class Rotary(torch.autograd.Function):  # vLLM's rotary op; backward: the op with the sines negated
         @staticmethod
         def forward(ctx, q, k, positions, table):
             ctx.save_for_backward(positions, table)
-            return _vllm_rotary(q, k, positions, table)
+            return vllms_rotary(q, k, positions, table)
 
         @staticmethod
         def backward(ctx, grad_q, grad_k):
             positions, table = ctx.saved_tensors
-            return *_vllm_rotary(grad_q, grad_k, positions, inverse_rotation(table)), None, None
+            cos, sin = table.chunk(2, dim=-1)
+            return *vllms_rotary(grad_q, grad_k, positions, torch.cat((cos, -sin), dim=-1)), None, None
 
     def unfused_qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, table):
         q, k = BatchInvariantRMSNorm.apply(q, q_weight, eps), BatchInvariantRMSNorm.apply(k, k_weight, eps)
@@ -764,6 +771,38 @@ def test_qk_norm_rotary_is_bitwise_the_norms_and_vllms_rotary_it_replaces():
             checked += 1
     print(f"\n[qk_norm_rotary] {checked} (heads, rows) pairs bitwise the two norms and vLLM's rotary, "
           "each by the defaults and 12 layouts of a program's heads over its warps")
+
+
+def test_qk_norm_rotary_rounds_vanishing_products_as_vllms_rotary():
+    """Heads with values some 2^-120 of their row's (normed, still bf16 normals) at positions whose last
+    pairs' sines are ~1e-6: products below fp32's normal range, which only the FMA form vLLM's compiled op
+    uses rounds as it does; and the trainer's backward turns such gradients back as the op does."""
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    from batch_invariant_backward import rms_norm_backward, rms_norm_rows, rope_cos_sin_cache
+
+    g, eps, hd, h, kv, m = torch.Generator(device="cuda").manual_seed(3), 1e-6, 128, 16, 8, 4096
+    table = rope_cos_sin_cache(SimpleNamespace(head_dim=hd, rope_theta=1e6, max_seq_len=40960), torch.bfloat16)
+    table = table.cuda()
+    qkv = torch.randn(m, (h + 2 * kv) * hd, device="cuda", generator=g)
+    tiny = torch.rand(qkv.shape, device="cuda", generator=g) < 0.3
+    qkv = torch.where(tiny, qkv * 2.0**-120, qkv).bfloat16()
+    q, k, _ = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
+    q, k = q.view(m, h, hd), k.view(m, kv, hd)
+    positions = torch.randint(1, 8, (m,), device="cuda", generator=g)  # small angles: sines ~1e-6 at the end
+    w = torch.ones(hd, device="cuda", dtype=torch.bfloat16)
+    q_ref, k_ref = rms_norm_rows(q, w, eps), rms_norm_rows(k, w, eps)
+    torch.ops._C.rotary_embedding(positions, q_ref.view(m, -1), k_ref.view(m, -1), hd, table, True)
+    ours = qk_norm_rotary(q, k, w, w, eps, positions, table)
+    assert bits_differ(ours[0], q_ref) == bits_differ(ours[1], k_ref) == 0
+    scale = torch.where(tiny[:, : h * hd].view(m, h, hd), 2.0**-120, 1.0)
+    grad = (scale * torch.randn(m, h, hd, device="cuda", generator=g)).bfloat16()
+    cos, sin = table.chunk(2, dim=-1)
+    back = grad.clone()  # vLLM's op with the sines negated: the gradient turned back, as the three apart do
+    torch.ops._C.rotary_embedding(positions, back.view(m, -1), None, hd, torch.cat((cos, -sin), dim=-1), True)
+    in_pass = rms_norm_backward(grad, q, w, eps, rotated=(positions, table))
+    apart = rms_norm_backward(back, q, w, eps)
+    assert all(bits_differ(a, b) == 0 for a, b in zip(in_pass, apart))
 
 
 def vllms_log_softmax(x: torch.Tensor) -> torch.Tensor:

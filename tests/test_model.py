@@ -213,16 +213,6 @@ def test_packing_lays_sequences_back_to_back_and_reads_each_completion_token_a_r
     assert all(t.dtype == torch.long for t in (batch.tokens, batch.positions, batch.target_rows, batch.targets))
 
 
-def test_the_inverse_rotation_table_is_made_once_per_table():
-    args = SimpleNamespace(head_dim=8, rope_theta=1e6, max_seq_len=16)
-    table = batch_invariant_backward.rope_cos_sin_cache(args, torch.bfloat16)
-    inverse = batch_invariant_backward.inverse_rotation(table)
-    cos, sin = table.chunk(2, dim=-1)
-    assert torch.equal(inverse, torch.cat((cos, -sin), dim=-1))
-    assert batch_invariant_backward.inverse_rotation(table) is inverse
-    assert batch_invariant_backward.inverse_rotation(table.clone()) is not inverse
-
-
 def test_vllm_holds_the_rotary_table_in_fp32_with_the_trainers_values():
     """vLLM 0.20's rotary op casts its table to fp32 at every call (a 20 MB copy per layer at Qwen3's 40,960
     positions); with the exact kernels installed vLLM holds it in fp32 once, equal to the trainer's table."""
