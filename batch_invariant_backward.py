@@ -848,9 +848,8 @@ def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     one pass over x and dy: r recomputed in fp32, dx rounded once; with `grad_summed` (x's gradient from its
     other uses, when x is a residual sum), dx + grad_summed, the bf16 add autograd would make; with `rotated`
     (positions, the fp32 neox table), `grad_out` is the gradient of the norm's output rotated by those
-    angles (q's and k's), rotated back in the same pass. Each program
-    sums dw over a fixed run of rows; the runs' sums are then added by `torch.sum` (a fixed order): the same
-    bits on every call of a shape. It replaced PyTorch's fused RMSNorm backward (its norm forward again for
+    angles (q's and k's), rotated back in the same pass. Each program sums dw over a fixed run of rows; the
+    runs' sums are then added by `torch.sum` (a fixed order): the same bits on every call of a shape. It replaced PyTorch's fused RMSNorm backward (its norm forward again for
     r, then two kernels)."""
     if not eps > 0:  # a tile's rows past the last have x = 0: r would be inf there, and dw NaN
         raise ValueError(f"rms_norm_backward: eps must be > 0, not {eps}")
