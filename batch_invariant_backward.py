@@ -25,7 +25,7 @@ import functools
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -114,29 +114,68 @@ def qk_norm_rotary_reference(q, k, q_weight, k_weight, eps, positions, cos_sin_c
     return rotary_reference(q, k, positions, cos_sin_cache)
 
 
-def _causal_attention_one_sequence(q, k, v, scale):
-    """q (L, H, D), k and v (L, Hk, D) -> out (L, H, D), lse (H, L), probabilities (H, L, L)."""
+class AttentionSpans(NamedTuple):
+    """Causal attention over packed rows, in spans: span i's queries are rows `cu_seqlens[i]:cu_seqlens[i+1]`,
+    its keys and values rows `kv_rows[cu_seqlens_k[i]:cu_seqlens_k[i+1]]` (its own rows where `kv_rows` is
+    None), its last query reading up to its last key: causal from the bottom right, as FlashAttention aligns a
+    span of fewer queries than keys (a sample's completion reading its prompt's rows where they lie, as vLLM's
+    decode reads a sequence's cached keys)."""
+    cu_seqlens: torch.Tensor  # (N + 1,) int32
+    max_seqlen: int
+    cu_seqlens_k: torch.Tensor  # (N + 1,) int32, over kv_rows
+    max_seqlen_k: int
+    kv_rows: torch.Tensor | None = None  # (keys,) int64
+
+    @staticmethod
+    def sequences(seqlens: torch.Tensor, device=None) -> "AttentionSpans":
+        """Each sequence its own span: its rows its queries and keys."""
+        cu = F.pad(seqlens.cumsum(0), (1, 0)).to(device, torch.int32)
+        return AttentionSpans(cu, int(seqlens.max()), cu, int(seqlens.max()))
+
+
+# A micro-batch's keys at most this many times its rows (simple_rl's packing; micro_batch_bytes counts them):
+# its samples' shared prompt rows are read once a sample.
+KEYS_PER_ROW = 2
+
+
+def row_runs(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The rows `start, start + 1, ...` of each (start, length) run, runs back to back."""
+    offsets = starts - (lengths.cumsum(0) - lengths)
+    return torch.arange(int(lengths.sum())) + offsets.repeat_interleave(lengths)
+
+
+def _spans(spans: AttentionSpans, device):
+    """(query rows as a slice, key rows) of each span."""
+    q_bounds, k_bounds = spans.cu_seqlens.tolist(), spans.cu_seqlens_k.tolist()
+    for i in range(len(q_bounds) - 1):
+        keys = (torch.arange(q_bounds[i], q_bounds[i + 1]) if spans.kv_rows is None
+                else spans.kv_rows[k_bounds[i]:k_bounds[i + 1]])
+        yield slice(q_bounds[i], q_bounds[i + 1]), keys.to(device)
+
+
+def _causal_attention_one_span(q, k, v, scale):
+    """q (Lq, H, D), k and v (Lk, Hk, D), Lq <= Lk, causal from the bottom right -> out (Lq, H, D),
+    lse (H, Lq), probabilities (H, Lq, Lk)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    L = q.shape[0]
-    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~causal, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (H, L)
+    scores = scores.masked_fill(~_causal_mask(len(q), len(k), q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (H, Lq)
     probs = torch.exp(scores - lse[..., None])
     return torch.einsum("hqk,khd->qhd", probs, v), lse, probs
 
 
-def attention_reference(q, k, v, cu_seqlens, scale):
-    """Causal attention over packed sequences, one sequence at a time (T x T per sequence: the
-    CPU reference only). Returns out (T, H, D) in q's dtype and lse (H, T) in fp32/fp64."""
+def _causal_mask(n_q: int, n_k: int, device) -> torch.Tensor:
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(n_k - n_q)
+
+
+def attention_reference(q, k, v, spans: AttentionSpans, scale):
+    """Causal attention over packed spans, one span at a time (Lq x Lk per span: the CPU reference only).
+    Returns out (T, H, D) in q's dtype and lse (H, T) in fp32/fp64."""
     acc = _acc(q.dtype)
     outs, lses = [], []
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        out, lse, _ = _causal_attention_one_sequence(
-            q[start:end].to(acc), k[start:end].to(acc), v[start:end].to(acc), scale
-        )
+    for rows, keys in _spans(spans, q.device):
+        out, lse, _ = _causal_attention_one_span(q[rows].to(acc), k[keys].to(acc), v[keys].to(acc), scale)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
@@ -1083,71 +1122,75 @@ def _deterministic_algorithms():
 
 class FlashAttention(torch.autograd.Function):
     """`vllm.vllm_flash_attn.flash_attn_varlen_func` with FlashAttention 3, causal, `num_splits=1`
-    (vLLM's batch-invariant setting), GQA without repeating k/v. Backward: PyTorch's fused
-    flash-attention backward from the forward's output and log-sum-exp (memory O(T), no T x T),
-    in its deterministic mode so that two runs give the same gradients bit for bit."""
+    (vLLM's batch-invariant setting), GQA without repeating k/v, over `AttentionSpans` (k and v gathered to
+    the spans' key rows where spans share rows). Backward: PyTorch's fused flash-attention backward from the
+    forward's output and log-sum-exp (memory O(T), no T x T), in its deterministic mode so that two runs
+    give the same gradients bit for bit; a shared row's key and value gradients summed in fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
+    def forward(ctx, q, k, v, spans: AttentionSpans, scale):
         if q.is_cuda:
             from vllm.vllm_flash_attn import flash_attn_varlen_func
 
+            keys, values = _gathered(k, spans), _gathered(v, spans)
             out, lse = flash_attn_varlen_func(
-                q, k, v,
-                max_seqlen_q=max_seqlen, cu_seqlens_q=cu_seqlens,
-                max_seqlen_k=max_seqlen, cu_seqlens_k=cu_seqlens,
+                q, keys, values,
+                max_seqlen_q=spans.max_seqlen, cu_seqlens_q=spans.cu_seqlens,
+                max_seqlen_k=spans.max_seqlen_k, cu_seqlens_k=spans.cu_seqlens_k,
                 softmax_scale=scale, causal=True, return_softmax_lse=True,
                 num_splits=1, fa_version=3,
             )  # fmt: skip
         else:
-            out, lse = attention_reference(q, k, v, cu_seqlens, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+            out, lse = attention_reference(q, k, v, spans, scale)
+        ctx.save_for_backward(q, k, v, out, lse)  # k and v gathered again in the backward: no copy kept
+        ctx.spans, ctx.scale = spans, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        if q.is_cuda:
-            no_dropout_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-            with _deterministic_algorithms():
-                grad_q, grad_k, grad_v = torch.ops.aten._flash_attention_backward(
-                    grad_out.contiguous(), q, k, v, out, lse,
-                    cu_seqlens, cu_seqlens, ctx.max_seqlen, ctx.max_seqlen,
-                    0.0, True, no_dropout_rng, torch.empty(0, device=q.device), scale=ctx.scale,
-                )  # fmt: skip
-        else:
-            grad_q, grad_k, grad_v = _attention_backward_reference(
-                grad_out, q, k, v, out, lse, cu_seqlens, ctx.scale
-            )
-        return grad_q, grad_k, grad_v, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        spans = ctx.spans
+        if not q.is_cuda:
+            return *_attention_backward_reference(grad_out, q, k, v, out, lse, spans, ctx.scale), None, None
+        no_dropout_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        with _deterministic_algorithms():
+            grad_q, grad_k, grad_v = torch.ops.aten._flash_attention_backward(
+                grad_out.contiguous(), q, _gathered(k, spans), _gathered(v, spans), out, lse,
+                spans.cu_seqlens, spans.cu_seqlens_k, spans.max_seqlen, spans.max_seqlen_k,
+                0.0, True, no_dropout_rng, torch.empty(0, device=q.device), scale=ctx.scale,
+            )  # fmt: skip
+            if spans.kv_rows is not None:  # each read of a row adds its gradient, in deterministic mode
+                grad_k, grad_v = (torch.zeros_like(t, dtype=torch.float32).index_add_(0, spans.kv_rows, grad)
+                                  .to(t.dtype) for t, grad in ((k, grad_k.float()), (v, grad_v.float())))
+        return grad_q, grad_k, grad_v, None, None
 
 
-def _attention_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens, scale):
-    """The flash-attention backward, one sequence at a time: P = exp(scale q k^T - lse),
+def _gathered(x: torch.Tensor, spans: AttentionSpans) -> torch.Tensor:
+    return x if spans.kv_rows is None else x.index_select(0, spans.kv_rows)
+
+
+def _attention_backward_reference(grad_out, q, k, v, out, lse, spans: AttentionSpans, scale):
+    """The flash-attention backward, one span at a time: P = exp(scale q k^T - lse),
     dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q."""
     acc = _acc(q.dtype)
     group = q.shape[1] // k.shape[1]
     grads = [torch.zeros_like(t, dtype=acc) for t in (q, k, v)]
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        s = slice(start, end)
-        qs, dO, O = q[s].to(acc), grad_out[s].to(acc), out[s].to(acc)
-        ks = k[s].to(acc).repeat_interleave(group, dim=1)
-        vs = v[s].to(acc).repeat_interleave(group, dim=1)
-        L = end - start
-        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    for rows, keys in _spans(spans, q.device):
+        qs, dO, O = q[rows].to(acc), grad_out[rows].to(acc), out[rows].to(acc)
+        ks = k[keys].to(acc).repeat_interleave(group, dim=1)
+        vs = v[keys].to(acc).repeat_interleave(group, dim=1)
+        causal = _causal_mask(len(qs), len(ks), q.device)
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        probs = torch.exp(scores - lse[:, s, None].to(acc)).masked_fill(~causal, 0.0)
+        probs = torch.exp(scores - lse[:, rows, None].to(acc)).masked_fill(~causal, 0.0)
         dv = torch.einsum("hqk,qhd->khd", probs, dO)
         dp = torch.einsum("qhd,khd->hqk", dO, vs)
         ds = probs * (dp - (dO * O).sum(-1).t()[..., None])
         dq = torch.einsum("hqk,khd->qhd", ds, ks) * scale
         dk = torch.einsum("hqk,qhd->khd", ds, qs) * scale
-        # GQA: a key/value head's gradient sums over the query heads of its group.
-        grads[0][s] = dq
-        grads[1][s] = dk.unflatten(1, (-1, group)).sum(2)
-        grads[2][s] = dv.unflatten(1, (-1, group)).sum(2)
+        # GQA: a key/value head's gradient sums over the query heads of its group; a shared row's over spans.
+        grads[0][rows] = dq
+        grads[1].index_add_(0, keys, dk.unflatten(1, (-1, group)).sum(2))
+        grads[2].index_add_(0, keys, dv.unflatten(1, (-1, group)).sum(2))
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
@@ -1284,6 +1327,14 @@ def kept_bytes(model_args, tokens: int, completion_tokens: int) -> int:
             + completion_tokens * (2 * a.dim + 2 * a.vocab_size + 4 + 8 + 8))
 
 
+def attention_backward_bytes(a, tokens: int) -> int:
+    """What attention's backward adds for a micro-batch's keys beyond its rows (KEYS_PER_ROW of them a row):
+    k and v gathered (bf16), PyTorch's dK and dV over every query head (bf16) and in fp32 to be summed, and
+    the rows' fp32 sums."""
+    keys, kv = (KEYS_PER_ROW - 1) * tokens, a.n_kv_heads * a.head_dim
+    return keys * (2 * 2 * kv + 2 * 2 * a.n_heads * a.head_dim + 2 * 4 * kv) + tokens * 2 * 4 * kv
+
+
 def micro_batch_bytes(model_args, tokens: int, checkpointing: bool, gradients: float) -> float:
     """Peak memory of a micro-batch's forward and backward besides the weights, every token a completion token
     (the most lm_head sees): what is kept, and the larger of the backward's two peaks: at lm_head (the logits'
@@ -1294,7 +1345,8 @@ def micro_batch_bytes(model_args, tokens: int, checkpointing: bool, gradients: f
     head = kept_bytes(a, tokens, tokens) - tokens * (a.n_layers * block + 16 + 2 * a.dim)
     sampler = 3 * 4 * LMHeadLogprobs.ROWS_PER_CHUNK_TIMES_VOCAB  # a chunk's fp32 temporaries, in the forward
     at_head = tokens * (2 * a.vocab_size + 2 * a.dim) + 2 * a.vocab_size * a.dim
-    in_blocks = gradients + tokens * block * (2 if checkpointing else 1) - head
+    in_blocks = (gradients + tokens * block * (2 if checkpointing else 1) - head
+                 + attention_backward_bytes(a, tokens))
     if a.moe_enabled:
         in_blocks += experts_backward_bytes(a, tokens)
     return blocks + head + max(sampler, at_head, in_blocks)
@@ -1338,9 +1390,7 @@ REFERENCE = Kernels(
     rms_norm=rms_norm_reference,
     silu_and_mul=silu_and_mul_reference,
     qk_norm_rotary=qk_norm_rotary_reference,
-    attention=lambda q, k, v, cu_seqlens, max_seqlen, scale: attention_reference(
-        q, k, v, cu_seqlens, scale
-    )[0],
+    attention=lambda q, k, v, spans, scale: attention_reference(q, k, v, spans, scale)[0],
     lm_head_logprobs=lm_head_logprobs_reference,
     route=route_reference,
     experts=experts_reference,
@@ -1675,6 +1725,7 @@ def vllm_trace(llm, tokens: list[int]) -> dict:
         handles.extend(module.register_forward_hook(hook(key, pick)) for module, key, pick in hooks)
 
     llm.apply_model(register)
+    llm.reset_prefix_cache()  # a cached prefix would not run again: every row's ops recorded
     try:
         llm.generate([TokensPrompt(prompt_token_ids=tokens)],
                      SamplingParams(max_tokens=1, seed=0, detokenize=False), use_tqdm=False)
@@ -1719,7 +1770,8 @@ def trainer_trace(model, batch) -> dict:
         trace[i, "residual_in"], trace[i, first_norm] = as_rows(residual_in), as_rows(normed_in)
         trace |= {(i, name): as_rows(out) for name, _, out in calls[layer.attention]}
         trace[i, "residual"], trace[i, second_norm] = as_rows(residual), as_rows(normed)
-        trace |= {(i, name): as_rows(out) for name, _, out in calls[layer.ffn]}
+        ffn = layer.moe if hasattr(layer, "moe") else layer.feed_forward
+        trace |= {(i, name): as_rows(out) for name, _, out in calls[ffn]}
     _, (_, final_residual, final_norm), _ = calls[model]
     trace[None, "final_residual"], trace[None, "final_norm"] = as_rows(final_residual), as_rows(final_norm)
     head = model.output_weight  # a sharded model's is a DTensor: the whole of it, for one row

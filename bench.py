@@ -372,7 +372,7 @@ def standard_engine(ckpt: Path, args):
     import vllm
 
     return vllm.LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-                    enable_prefix_caching=False, enable_sleep_mode=True,
+                    enable_sleep_mode=True,
                     gpu_memory_utilization=args.vllm_gpu_memory, max_model_len=512 + args.max_new_tokens,
                     max_num_seqs=256)
 
@@ -1330,7 +1330,7 @@ def decode_side(side: str, args) -> dict:
         import vllm
 
         llm = vllm.LLM(model=str(directory), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-                       enable_prefix_caching=False, max_num_seqs=256, **common)
+                       max_num_seqs=256, **common)
     else:
         plumbing.init_distributed("cuda")  # as the script: torch's host work on one thread
         if side == "decode-exact-vllm-tiles":  # the engine then serves its linears with vLLM's own tiles

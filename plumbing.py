@@ -1497,6 +1497,23 @@ def log_eval(writer, updates: int, accuracy: float, questions: int, world) -> No
              world)
 
 
+def routing_metrics(model, world) -> dict:
+    """A mixture of experts' routing over the step's training forwards, per layer: how unevenly the tokens
+    spread (the busiest expert's over the mean; 1 is even) and the router's entropy (nats a token; ln E is
+    uniform). Read once a step: the sums restart."""
+    moes = [layer.moe for layer in model.layers if hasattr(layer, "moe") and layer.moe.routed is not None]
+    if not moes:
+        return {}
+    import torch
+    routed = world.sum(torch.stack([moe.routed for moe in moes])).cpu()  # (layers, E + 1)
+    for moe in moes:
+        moe.routed = None
+    load, entropy = routed[:, :-1], routed[:, -1] * moes[0].top_k / routed[:, :-1].sum(-1)
+    return {name: float(value) for i, (row, e) in enumerate(zip(load, entropy))
+            for name, value in ((f"expert_load_max_over_mean/layer_{i:02d}", row.max() / row.mean()),
+                                (f"router_entropy/layer_{i:02d}", e))}
+
+
 def weight_deltas(changes: dict, world) -> dict:
     """Per layer, over all ranks: the L2 norm of a step's weight change, and that relative to the weights."""
     import torch

@@ -47,8 +47,8 @@ from plumbing import (
     FIXED, CheckpointError, Checkpoints, Fit, ModelShape, UsageError, agreed_run_name, check_args,
     check_gpu_memory, default_is, exit_on, exit_on_full_disk, gather_step, init_distributed, load_inputs,
     log_eval, log_line, log_parity, log_step, log_to_file, open_tensorboard, parity_record,
-    parse_command_line, progress_bar, read_files, reshard, restore_training_state, shard_model, step_line,
-    step_scalars, timed_phase, torchrun_rank_and_size, weight_deltas, write_whole)
+    parse_command_line, progress_bar, read_files, reshard, restore_training_state, routing_metrics,
+    shard_model, step_line, step_scalars, timed_phase, torchrun_rank_and_size, weight_deltas, write_whole)
 
 # ===== Flags: every flag; a field's comment is its --help =====
 @dataclass
@@ -229,9 +229,9 @@ import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from batch_invariant_backward import (  # noqa: E402
-    CUDA_GRAPHS, EXACT, SAMPLED, Kernels, first_divergence, install_exact_kernels,
-    restore_block_table_pointers, rope_cos_sin_cache, tensor_checksum, trainer_trace, vllm_trace,
-    vllm_weights_checksum)
+    CUDA_GRAPHS, EXACT, KEYS_PER_ROW, SAMPLED, AttentionSpans, Kernels, first_divergence,
+    install_exact_kernels, restore_block_table_pointers, rope_cos_sin_cache, row_runs, tensor_checksum,
+    trainer_trace, vllm_trace, vllm_weights_checksum)
 
 # ===== The processes: one, or torchrun's =====
 @dataclass(frozen=True)
@@ -282,46 +282,58 @@ class World:
 # ===== Model: Qwen3 on vLLM's kernels, over packed sequences =====
 @dataclass
 class PackedBatch:
-    """Sequences (prompt + completion) back to back, no padding, and which logits to read."""
+    """Samples (prompt + completion) back to back, no padding, and which logits to read."""
     tokens: torch.Tensor  # (T,) token ids
     positions: torch.Tensor  # (T,) position of each token in its own sequence
-    cu_seqlens: torch.Tensor  # (N + 1,) int32 sequence boundaries, as flash attention takes them
-    max_seqlen: int
+    spans: AttentionSpans  # which rows each row's attention reads
     target_rows: torch.Tensor  # (C,) rows whose logits predict a completion token
     targets: torch.Tensor  # (C,) those completion tokens
     completion_lens: list[int]
 
 
+def prompt_shared(prompts: list[list[int]], completions: list[list[int]], i: int) -> bool:
+    """Sample i reads the prompt rows of the sample before it (GRPO's G samples of a prompt lie together)."""
+    return i > 0 and len(completions[i]) > 0 and prompts[i] == prompts[i - 1]
+
+
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], device) -> PackedBatch:
+    """Samples back to back, a prompt's rows once for the samples after it with the same prompt: each adds its
+    completion's rows only, whose attention reads the prompt's keys where they lie (as vLLM's decode reads a
+    prompt's cached keys). Every other op is a row's alone: each sample's bits stay; G-1 of G prompts go."""
     # The host's share of a step, before the GPU has work: one pass over Python's ints, then tensor ops.
-    token_ids = itertools.chain.from_iterable(itertools.chain.from_iterable(zip(prompts, completions)))
-    tokens = torch.frombuffer(array.array("q", token_ids), dtype=torch.long)
+    shared = torch.tensor([prompt_shared(prompts, completions, i) for i in range(len(prompts))])
+    own = ([] if share else p for p, share in zip(prompts, shared.tolist()))  # the prompt rows a sample adds
+    tokens = torch.frombuffer(array.array("q", itertools.chain.from_iterable(
+        itertools.chain.from_iterable(zip(own, completions)))), dtype=torch.long)
     prompt_lens, completion_lens = torch.tensor([len(p) for p in prompts]), [len(c) for c in completions]
     seqlens = prompt_lens + torch.tensor(completion_lens)
-    positions = torch.arange(len(tokens)) - (seqlens.cumsum(0) - seqlens).repeat_interleave(seqlens)
-    in_completion = positions >= prompt_lens.repeat_interleave(seqlens)
-    return PackedBatch(tokens=tokens.to(device), positions=positions.to(device),
-                       cu_seqlens=F.pad(seqlens.cumsum(0), (1, 0)).to(device, torch.int32),
-                       max_seqlen=int(seqlens.max()),
-                       # Row t's logits predict token t + 1: a completion token is read a row before its own.
-                       target_rows=(in_completion.nonzero().squeeze(1) - 1).to(device),
-                       targets=tokens[in_completion].to(device), completion_lens=completion_lens)
-
-
-def consecutive_bins(sizes, budget: int) -> list[list[int]]:
-    """Consecutive items in bins of at most `budget` in all (an item larger than that alone)."""
-    groups, size = [], 0
-    for i, n in enumerate(sizes):
-        if not groups or size + n > budget:
-            groups, size = [*groups, []], 0
-        groups[-1].append(i)
-        size += n
-    return groups
+    added = seqlens - prompt_lens * shared  # each sample's rows: its span of queries
+    starts, firsts = added.cumsum(0) - added, seqlens.cumsum(0) - seqlens  # in rows; in sequences' keys
+    owner = torch.where(shared, 0, torch.arange(len(prompts))).cummax(0).values  # whose prompt rows it reads
+    # A sample's sequence (its keys, in order): its prompt's rows, then its completion's.
+    rows = row_runs(torch.stack([starts[owner], starts + added - seqlens + prompt_lens], 1).flatten(),
+                    torch.stack([prompt_lens, seqlens - prompt_lens], 1).flatten())
+    positions = torch.arange(len(tokens)) - (starts - (seqlens - added)).repeat_interleave(added)
+    # Row t's logits predict the sequence's next token: a completion token is read a row before its own.
+    predicting = row_runs(firsts + prompt_lens - 1, seqlens - prompt_lens)  # indices into `rows`
+    spans = AttentionSpans.sequences(added, device)._replace(  # the keys: each sample's sequence
+        cu_seqlens_k=F.pad(seqlens.cumsum(0), (1, 0)).to(device, torch.int32),
+        max_seqlen_k=int(seqlens.max()), kv_rows=rows.to(device) if shared.any() else None)
+    return PackedBatch(tokens=tokens.to(device), positions=positions.to(device), spans=spans,
+                       target_rows=rows[predicting].to(device),
+                       targets=tokens[rows[predicting + 1]].to(device), completion_lens=completion_lens)
 
 
 def packed_micro_batches(prompts, completions, token_budget: int, device, world: World = World()) -> list:
-    """[(indices, PackedBatch)] of <= `token_budget` tokens in sample order, as many on every rank."""
-    groups = consecutive_bins([len(p) + len(c) for p, c in zip(prompts, completions)], token_budget)
+    """[(indices, PackedBatch)] in sample order, as many on every rank, each of <= `token_budget` rows (a
+    prompt's once for the samples that share it), KEYS_PER_ROW times as many keys (an item larger alone)."""
+    groups, rows, keys = [], 0, 0
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        adds = len(c) if prompt_shared(prompts, completions, i) else len(p) + len(c)
+        if not groups or rows + adds > token_budget or keys + len(p) + len(c) > KEYS_PER_ROW * token_budget:
+            groups, rows, keys, adds = [*groups, []], 0, 0, len(p) + len(c)
+        groups[-1].append(i)
+        rows, keys = rows + adds, keys + len(p) + len(c)
     count = world.max(len(groups))
     while len(groups) < count:  # halve the group of most samples (the sums stay the same)
         i = max(range(len(groups)), key=lambda j: len(groups[j]))
@@ -344,14 +356,14 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
 
-    def forward(self, x, positions, cos_sin_cache, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+    def forward(self, x, positions, cos_sin_cache, spans: AttentionSpans) -> torch.Tensor:
         ops, a = self.kernels, self.args
         T, H, Hk, D = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
         q, k, v = ops.linear(x, self.wqkv.weight).split([H * D, Hk * D, Hk * D], dim=-1)
         # Each head RMS-normed, then rotated: one kernel, as the engine runs it (q (T, H, D), k (T, Hk, D)).
         q, k = ops.qk_norm_rotary(q.view(T, H, D), k.view(T, Hk, D), self.q_norm.weight, self.k_norm.weight,
                                   a.norm_eps, positions, cos_sin_cache)
-        out = ops.attention(q, k, v.reshape(T, Hk, D), cu_seqlens, max_seqlen, D**-0.5)  # (T, H, D)
+        out = ops.attention(q, k, v.reshape(T, Hk, D), spans, D**-0.5)  # (T, H, D)
         return ops.linear(out.reshape(T, H * D), self.wo.weight)
 
 
@@ -385,36 +397,23 @@ class MoE(nn.Module):
         self.routed = None  # the training forwards' tokens per expert, and their router entropy's sum
         self.chosen = None  # the last forward's experts of each token (T, k)
 
-    def forward(self, x) -> torch.Tensor:
+    def forward(self, x, spans: AttentionSpans) -> torch.Tensor:
         ops = self.kernels
         logits = ops.linear(x, self.router.gate.weight)  # (T, E)
         weights, ids = ops.route(logits, self.top_k, self.renormalize)  # (T, k) each
         self.chosen = ids.detach()
         # For `routing_metrics`, in training forwards (a recomputation with --activation-checkpointing counts
-        # again: the ratios stay); counted by adds of 1 in fp64: exact, whatever the order.
+        # again: the ratios stay); a row once per sample it is part of (a shared prompt's: once each), so the
+        # sums do not depend on the packing; counted in fp64: exact, whatever the order.
         if torch.is_grad_enabled():
             with torch.no_grad():
+                uses = (torch.ones(len(x), dtype=torch.float64, device=x.device) if spans.kv_rows is None
+                        else torch.bincount(spans.kv_rows, minlength=len(x)).double())
                 routed = logits.new_zeros(logits.shape[1] + 1, dtype=torch.float64)
-                routed.index_add_(0, ids.reshape(-1), routed.new_ones(ids.numel()))
-                routed[-1] = torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum()
+                routed.index_add_(0, ids.reshape(-1), uses.repeat_interleave(ids.shape[1]))
+                routed[-1] = torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1).double() @ uses
                 self.routed = routed if self.routed is None else self.routed + routed
         return ops.experts(x, self.experts.w13, self.experts.w2, weights, ids)
-
-
-def routing_metrics(model: nn.Module, world: World = World()) -> dict:
-    """A mixture of experts' routing over the step's training forwards, per layer: how unevenly the tokens
-    spread (the busiest expert's over the mean; 1 is even) and the router's entropy (nats a token; ln E is
-    uniform). Read once a step: the sums restart."""
-    moes = [layer.moe for layer in model.layers if hasattr(layer, "moe") and layer.moe.routed is not None]
-    if not moes:
-        return {}
-    routed = world.sum(torch.stack([moe.routed for moe in moes])).cpu()  # (layers, E + 1)
-    for moe in moes:
-        moe.routed = None
-    load, entropy = routed[:, :-1], routed[:, -1] * moes[0].top_k / routed[:, :-1].sum(-1)
-    return {name: float(value) for i, (row, e) in enumerate(zip(load, entropy))
-            for name, value in ((f"expert_load_max_over_mean/layer_{i:02d}", row.max() / row.mean()),
-                                (f"router_entropy/layer_{i:02d}", e))}
 
 
 def expert_set_differences(model: nn.Module, batch, sampler_experts: list[torch.Tensor]) -> torch.Tensor:
@@ -422,8 +421,10 @@ def expert_set_differences(model: nn.Module, batch, sampler_experts: list[torch.
     trainer's last forward, how many chose another set of experts than vLLM's sampler (`sampler_experts`:
     each sequence's, (tokens but its last, layers, k), as vLLM returns them), and how many were compared."""
     ours = torch.stack([layer.moe.chosen for layer in model.layers], dim=1)  # (T, layers, k)
+    spans = batch.spans  # a sample's rows: its span's keys (its prompt's rows may be another's)
+    ours = ours if spans.kv_rows is None else ours[spans.kv_rows]
     fed = torch.ones(len(ours), dtype=torch.bool, device=ours.device)
-    fed[batch.cu_seqlens[1:].long() - 1] = False  # a sequence's last token: vLLM never runs it
+    fed[spans.cu_seqlens_k[1:].long() - 1] = False  # a sequence's last token: vLLM never runs it
     theirs = torch.cat(sampler_experts).to(ours.device, torch.int64)
     if theirs.shape != ours[fed].shape:
         raise RuntimeError(f"vLLM returned experts of {tuple(theirs.shape)} (tokens, layers, k); the "
@@ -446,19 +447,15 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args, kernels)
 
-    @property
-    def ffn(self) -> nn.Module:
-        return self.moe if hasattr(self, "moe") else self.feed_forward
-
-    def forward(self, h, residual, positions, cos_sin_cache, cu_seqlens, max_seqlen: int):
+    def forward(self, h, residual, positions, cos_sin_cache, spans: AttentionSpans):
         """(h, residual) of the layer below -> this layer's (h, residual), each (T, dim)."""
         ops = self.kernels
         # Layer 0's first norm has no add; every later norm adds the residual first: (norm, sum), one kernel.
         normed, residual = ((ops.rms_norm(h, self.attention_norm.weight, self.eps), h) if residual is None
                             else ops.rms_norm(h, self.attention_norm.weight, self.eps, residual))
-        h = self.attention(normed, positions, cos_sin_cache, cu_seqlens, max_seqlen)
+        h = self.attention(normed, positions, cos_sin_cache, spans)
         normed, residual = ops.rms_norm(h, self.ffn_norm.weight, self.eps, residual)
-        return self.ffn(normed), residual
+        return (self.moe(normed, spans) if hasattr(self, "moe") else self.feed_forward(normed)), residual
 
 
 class TokenLogprobs(NamedTuple):
@@ -498,14 +495,14 @@ class Qwen3(nn.Module):
         """Completion tokens' logprobs as vLLM's sampler computes them: lm_head (bf16 logits) on the rows
         that predict them, then its fp32 temperature, top-k/top-p and logprob kernels. lm_head is in the
         forward so that a sharded trainer gathers the (possibly tied) embedding once."""
-        hidden = self.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        hidden = self.hidden_states(batch.tokens, batch.positions, batch.spans)
         return TokenLogprobs(*self.kernels.lm_head_logprobs(hidden[batch.target_rows], self.output_weight,
                                                             batch.targets, temperature, top_k, top_p))
 
-    def hidden_states(self, tokens, positions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+    def hidden_states(self, tokens, positions, spans: AttentionSpans) -> torch.Tensor:
         h, residual = self.kernels.embedding(tokens, self.tok_embeddings.weight), None
         for layer in self.layers:
-            inputs = (h, residual, positions, self.cos_sin_cache, cu_seqlens, max_seqlen)
+            inputs = (h, residual, positions, self.cos_sin_cache, spans)
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # The recomputation runs the same deterministic kernels: the same bits again.
                 h, residual = torch.utils.checkpoint.checkpoint(layer, *inputs, use_reentrant=False)
@@ -639,7 +636,8 @@ class VLLMEngine:
         graphs = {"compilation_config": CUDA_GRAPHS} if cuda_graphs else {"enforce_eager": True}
         self.llm = vllm.LLM(
             model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=seed,
-            enable_prefix_caching=False, enable_sleep_mode=sleep_mode,  # the weights change every step
+            enable_sleep_mode=sleep_mode, enable_prefix_caching=not return_routed_experts,  # a prompt's G
+            # samples prefill it once (a cached token is not routed again: its experts would be missing)
             logprobs_mode="processed_logprobs",  # of the distribution sampled from: after T, top-k/p
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
             attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3}, max_num_seqs=256,
@@ -688,6 +686,7 @@ class VLLMEngine:
 
     def push_weights(self, model: Qwen3) -> None:  # no disk: vLLM's `load_weights` fills its merged slots
         self.llm.apply_model(lambda served: served.load_weights(hf_weights(model)))
+        self.llm.reset_prefix_cache()  # the cached prompts' keys are the old weights'
 
     def weights_checksum(self) -> int:
         return self.llm.apply_model(vllm_weights_checksum)[0]
@@ -997,7 +996,6 @@ def train_on_rollouts(model: Qwen3, optimizer: MasterWeights, rollouts: Rollouts
     metrics["correction_ess"] = weight**2 / weight_sq if weight_sq else 0.0  # Kish's: 1 if all weights equal
     if s.top_k == 0 and s.top_p == 1:  # every token kept: nothing to report
         del metrics["kept_tokens"], metrics["cut_mass"]
-    metrics |= routing_metrics(model, world)
     if routings:  # the share of tokens' routings (token, layer) to another set of experts than the sampler's
         differ, compared = world.sum(torch.stack(routings).sum(0)).tolist()
         metrics["expert_set_differs"] = differ / compared
@@ -1132,6 +1130,7 @@ def grpo_step(step: int, sample, engine, model: Qwen3, optimizer: MasterWeights,
         engine.sleep()
         ref_logprobs = None if ref_model is None else reference_logprobs(ref_model, rollouts, args, world)
         metrics, logprobs = train_on_rollouts(model, optimizer, rollouts, ref_logprobs, args, world)
+        metrics |= routing_metrics(model, world)  # a mixture of experts': its training forwards' routing
         rollouts, logprobs = gather_step(rollouts, logprobs, world)  # every rank's samples
         parity, first = compare_bits(rollouts.vllm_logprobs, logprobs, rollouts.completions, world)
         log_parity(step, rollouts, logprobs, parity, args.parity.parity_report_tokens, world)

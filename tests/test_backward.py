@@ -22,9 +22,20 @@ def packed(seqlens):
     return cu, positions, max(seqlens)
 
 
+# Three samples over 13 rows: the second reads the first's prompt (rows 0-2), then its own row 5.
+SHARED = bib.AttentionSpans(torch.tensor([0, 5, 6, 13], dtype=torch.int32), 7,
+                            torch.tensor([0, 5, 9, 16], dtype=torch.int32), 7,
+                            torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 5, *range(6, 13)]))
+
+
+def attention(q, k, v, spans, scale):
+    return bib.attention_reference(q, k, v, spans, scale)[0]
+
+
 def cases():
     torch.manual_seed(0)
-    cu, positions, max_len = packed([5, 1, 7])
+    cu, positions, _ = packed([5, 1, 7])
+    sequences = bib.AttentionSpans.sequences(torch.tensor([5, 1, 7]))
     T = int(cu[-1])
     angles = torch.rand(16, 3, dtype=torch.float64) * 6
     cache = torch.cat((angles.cos(), angles.sin()), dim=-1)  # (max positions, D/2 cos | D/2 sin)
@@ -54,9 +65,12 @@ def cases():
             lambda q, k, wq: bib.QKNormRotary.apply(q, k, wq, frozen, 1e-6, positions, cache),
             lambda q, k, wq: bib.qk_norm_rotary_reference(q, k, wq, frozen, 1e-6, positions, cache),
             (torch.randn(T, 4, 6, **f64), torch.randn(T, 2, 6, **f64), torch.randn(6, **f64)), ()),
-        "attention": (bib.FlashAttention.apply, lambda q, k, v, cu, m, s: bib.attention_reference(q, k, v, cu, s)[0],
-                      (torch.randn(T, 4, 3, **f64), torch.randn(T, 2, 3, **f64), torch.randn(T, 2, 3, **f64)),
-                      (cu, max_len, 0.6)),
+        "attention": (bib.FlashAttention.apply, attention, (torch.randn(T, 4, 3, **f64), torch.randn(T, 2, 3, **f64),
+                                                            torch.randn(T, 2, 3, **f64)), (sequences, 0.6)),
+        # rows 0-4 a prompt of 3 and a completion of 2; row 5 another sample's completion reading the prompt
+        "attention_shared_prompt": (bib.FlashAttention.apply, attention,
+                                    (torch.randn(T, 4, 3, **f64), torch.randn(T, 2, 3, **f64),
+                                     torch.randn(T, 2, 3, **f64)), (SHARED, 0.6)),
         "lm_head_logprobs": (bib.LMHeadLogprobs.apply, bib.lm_head_logprobs_reference,
                              (torch.randn(T, 6, **f64), torch.randn(11, 6, **f64)), (torch.randint(0, 11, (T,)), 0.7)),
         # Top-k and top-p: the targets are each row's likeliest token, which every kept set holds.
@@ -125,17 +139,24 @@ def test_the_norm_with_the_add_fused_in_has_the_bits_of_the_add_then_the_norm():
 
 
 def test_attention_reference_is_causal_per_sequence():
-    """A token attends only to earlier tokens of its own sequence."""
+    """A token attends only to earlier tokens of its own sequence; a sample reading a shared prompt's rows gets
+    what it gets laid whole."""
     torch.manual_seed(0)
-    cu, _, _ = packed([4, 6])
     q, k, v = torch.randn(10, 2, 3), torch.randn(10, 1, 3), torch.randn(10, 1, 3)
-    out, _ = bib.attention_reference(q, k, v, cu, 0.5)
+    spans = bib.AttentionSpans.sequences(torch.tensor([4, 6]))
+    out, _ = bib.attention_reference(q, k, v, spans, 0.5)
     k2, v2 = k.clone(), v.clone()
     k2[7:], v2[7:] = 5.0, -5.0  # change only the future of sequence 2's token 6 (row 6 + 4 = row 6)
     k2[:4], v2[:4] = 3.0, 3.0  # and all of sequence 1
-    out2, _ = bib.attention_reference(q, k2, v2, cu, 0.5)
+    out2, _ = bib.attention_reference(q, k2, v2, spans, 0.5)
     assert torch.equal(out[4:7], out2[4:7])
     assert not torch.equal(out[:4], out2[:4])
+    # SHARED's second sample (prompt rows 0-2, its row 5) laid whole as rows 0-3 of its own sequence
+    q, k, v = torch.randn(13, 2, 3), torch.randn(13, 1, 3), torch.randn(13, 1, 3)
+    alone = [0, 1, 2, 5]
+    whole, _ = bib.attention_reference(q[alone], k[alone], v[alone], bib.AttentionSpans.sequences(torch.tensor([4])),
+                                       0.5)
+    torch.testing.assert_close(bib.attention_reference(q, k, v, SHARED, 0.5)[0][5], whole[3], rtol=1e-6, atol=1e-6)
 
 
 def test_lm_head_logprobs_backward_without_entropy_and_over_chunks(monkeypatch):

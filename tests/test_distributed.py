@@ -60,8 +60,9 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False, uni
     checksum = simple_rl.trainer_checksum(model, world)  # of the whole weights, from the shards
     locator = trace(model, rollouts.prompts[0] + rollouts.completions[0])  # the locator's
     optimizer = simple_rl.MasterWeights(model, lr=1e-3, weight_decay=0.0)
-    # Micro-batches of at most 40 tokens: the ranks cut their samples into different numbers of them.
-    args = make_args(max_tokens_per_microbatch=40)
+    # Micro-batches of at most 20 rows (a prompt's once for its samples): the ranks cut their samples into
+    # different numbers of them.
+    args = make_args(max_tokens_per_microbatch=20)
     calls = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}  # FSDP2's collectives, counted
 
     def counted(name, collective):
@@ -79,6 +80,7 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False, uni
             patches.enter_context(patch.object(dist, name, counted(name, getattr(dist, name))))
         patches.enter_context(patch.object(batch_invariant_backward, "weight_grad", weight_grad))
         metrics, _ = simple_rl.train_on_rollouts(model, optimizer, rollouts, None, args, world)
+        metrics |= plumbing.routing_metrics(model, world)  # as grpo_step adds them
     # The weights back in their shards after the step: a forward or a push sees the updated ones; no fp32
     # gradient sum outlives the step on a gathered weight.
     assert size == 1 or all(hasattr(p, "to_local") for p in model.parameters())
@@ -90,7 +92,7 @@ def one_update(model_dir, rank: int, size: int, keep_gathered: bool = False, uni
     deltas = plumbing.weight_deltas(changes, world)
     weights = {name: simple_rl.gathered(p).detach().clone() for name, p in model.named_parameters()}
     hf = {name: w.clone() for name, w in simple_rl.hf_weights(model)}  # gathered one by one
-    micro_batches = len(simple_rl.packed_micro_batches(rollouts.prompts, rollouts.completions, 40, "cpu", world))
+    micro_batches = len(simple_rl.packed_micro_batches(rollouts.prompts, rollouts.completions, 20, "cpu", world))
     units = len(getattr(model, "fsdp_units", []))
     return {"units": units, "weights": weights, "metrics": metrics, "grad_norm": grad_norm, "deltas": deltas, "hf": hf,
             "grads": grads, "checksum": checksum, "trace": locator, "calls": calls, "micro_batches": micro_batches,
@@ -284,14 +286,15 @@ def test_processes_make_the_update_of_one(tmp_path, processes, keep_gathered, ex
     assert single["weights"].keys() == two["weights"].keys() and single["hf"].keys() == two["hf"].keys()
     # The step's fp32 gradients agree to fp32 rounding: the sums only ran in another order. AdamW's
     # first step moves a weight by about lr * g / (|g| + eps), which magnifies that rounding where
-    # g nearly cancels: the weights agree to 1% of the step size (lr 1e-3).
+    # g nearly cancels: the weights agree to 2% of the step size (lr 1e-3; one element in 4,096 of a q
+    # projection moved 1.5% of it apart once the packing laid a prompt once for its samples).
     for name, g in single["grads"].items():
         torch.testing.assert_close(two["grads"][name], g, rtol=1e-5, atol=2e-6 * float(g.abs().max()), msg=name)
     for name, w in single["hf"].items():
-        torch.testing.assert_close(two["hf"][name], w, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(two["hf"][name], w, rtol=1e-5, atol=2e-5, msg=name)
     moved = 0
     for name, w in single["weights"].items():
-        torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=2e-5, msg=name)
         moved += int((w != model_weight(model_dir, name)).sum())
     assert moved > 0.9 * sum(w.numel() for w in single["weights"].values())  # the update did something
     assert abs(two["grad_norm"] - single["grad_norm"]) <= 1e-5 * single["grad_norm"]

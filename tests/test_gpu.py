@@ -86,6 +86,30 @@ def count_mismatches(a, b):
     return sum(int((x.view(torch.int32) != y.view(torch.int32)).sum()) for x, y in zip(a, b))
 
 
+def grpo_sample(engine, vocab, seed, questions=64, group=8, prompt_lens=(20, 700), new_tokens=(64, 256)):
+    """GRPO's layout: `group` samples of each of `questions` random prompts, each its own seed and length."""
+    g = torch.Generator().manual_seed(seed)
+    asked = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
+             for n in torch.randint(prompt_lens[0], prompt_lens[1] + 1, (questions,), generator=g)]
+    prompts = [p for p in asked for _ in range(group)]
+    lengths = torch.randint(new_tokens[0], new_tokens[1] + 1, (len(prompts),), generator=g).tolist()
+    completions, logprobs = engine.generate(prompts, lengths, 1.0, [seed * 100_000 + i for i in range(len(prompts))],
+                                            ignore_eos=True)
+    return prompts, completions, logprobs
+
+
+@torch.no_grad()
+def packed_logprobs(model, prompts, completions, token_budget):
+    """Recomputed as simple_rl.py packs a step: in sample order, a prompt's rows once for its samples."""
+    out = [None] * len(prompts)
+    batches = simple_rl.packed_micro_batches(prompts, completions, token_budget, "cuda")
+    assert any(batch.spans.kv_rows is not None for _, batch in batches)  # the prompts laid once
+    for idx, batch in batches:
+        for j, lp in zip(idx, model(batch).logprobs.split(batch.completion_lens)):
+            out[j] = lp.cpu()
+    return out
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.6, 20, 0.95), (0.7, 20, 0.8), (1.0, 50, 1.0),
                                                        (1.0, 0, 0.9), (1.3, 0, 0.95)])
 def test_logprobs_are_bitwise_vllms_under_top_k_and_top_p(served, temperature, top_k, top_p):
@@ -126,7 +150,7 @@ def test_top_k_top_p_is_the_same_in_small_and_large_decode_steps(served):
     assert count_mismatches(ours, lps) == 0
     with torch.no_grad():  # the two implementations on the same logits
         batch = simple_rl.pack_sequences(prompts[:8], completions[:8], "cuda")
-        hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        hidden = model.hidden_states(batch.tokens, batch.positions, batch.spans)
         logits = tiled_linear(hidden[batch.target_rows], model.output_weight).float() / 0.6
         k = torch.full((len(logits),), 20, device="cuda", dtype=torch.int32)
         p = torch.full((len(logits),), 0.95, device="cuda")
@@ -246,6 +270,28 @@ def test_the_engine_norms_and_rotates_q_and_k_in_one_kernel(served, monkeypatch)
     sample(engine, config["vocab_size"], 2, seed=7, prompt_lens=(300, 300), new_tokens=(2, 2))
     layers = config["num_hidden_layers"]
     assert len(calls) >= layers and len(calls) % layers == 0 and sum(calls) >= 600 * layers  # no layer skipped
+
+
+def test_samples_sharing_a_prompt_are_bitwise_vllms(served):
+    """GRPO's batch, 64 prompts of 20-700 tokens (chunked prefill) x 8 samples of 64-256 new tokens: vLLM
+    prefills a prompt once for its samples (its prefix cache), the trainer lays it once for them (each
+    sample's attention reads its rows): every sampled token's logprob the same bits, in micro-batches of 4,096
+    and 32,768 tokens. Then the weights changed and pushed (the tiny engine awake, the 1.7B shape through a
+    sleep) and the same prompts again: no sample reads the old weights' cached keys."""
+    engine, model, config, name, _ = served
+    for pushed in (False, True):
+        if pushed:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.01)
+            engine.sleep()
+            engine.sync_weights(model, simple_rl.World(), changed=True)
+        prompts, completions, vllm_lps = grpo_sample(engine, config["vocab_size"], seed=91)
+        for budget in (4096, 32768):
+            mismatched = count_mismatches(packed_logprobs(model, prompts, completions, budget), vllm_lps)
+            print(f"\n[{name}{', pushed' if pushed else ''}] {len(prompts)} samples sharing prompts, budget {budget}: "
+                  f"{sum(map(len, completions))} sampled tokens, {mismatched} differ")
+            assert mismatched == 0
 
 
 def test_every_sampled_token_logprob_is_bitwise_vllms(served):
@@ -434,7 +480,8 @@ def relative_error(a, b):
 @pytest.mark.parametrize("entropy_coef", [0.01, 0.0])  # 0: lm_head's backward without the entropy term
 def test_gradients_match_autograd_within_bf16_tolerance(served, entropy_coef):
     """Trainer (vLLM forward kernels, hand-written backwards, bf16) against plain-PyTorch autograd:
-    its error to the fp32 reference is no worse than plain bf16 autograd's own error to it."""
+    its error to the fp32 reference is no worse than plain bf16 autograd's own error to it. Samples share
+    their prompts' rows, as a GRPO step packs them."""
     _, model, config, name, _ = served
     args = model.args
     if name != "tiny":
@@ -448,7 +495,10 @@ def test_gradients_match_autograd_within_bf16_tolerance(served, entropy_coef):
         with torch.device("cuda"):
             m = simple_rl.Qwen3(args, kernels, dtype)
         m.load_state_dict(weights)
-        batch = simple_rl.pack_sequences([s[:10] for s in seqs], [s[10:] for s in seqs], "cuda")
+        # two prompts of two samples each, laid once (each later sample's attention reads them)
+        prompts = [seqs[0][:200], seqs[0][:200], seqs[2][:100], seqs[2][:100]]
+        batch = simple_rl.pack_sequences(prompts, [seqs[0][200:], seqs[1], seqs[2][100:], seqs[3]], "cuda")
+        assert batch.spans.kv_rows is not None
         out = m(batch)
         loss = out.logprobs.sum() / len(out.logprobs)
         (loss + entropy_coef * out.entropy.mean() if entropy_coef else loss).backward()

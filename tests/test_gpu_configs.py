@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from conftest import qwen3_config, start_engine, write_checkpoint
-from test_gpu import count_mismatches, sample, trainer_logprobs
+from test_gpu import count_mismatches, grpo_sample, packed_logprobs, sample, trainer_logprobs
 
 import plumbing
 import simple_rl
@@ -60,5 +60,11 @@ def test_parity_holds_for_every_configuration(name, tmp_path):
             plumbing.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
     else:
         plumbing.check_bitwise_head_dim(model.args.head_dim, longest, ckpt)
+        assert mismatched == 0
+        # GRPO's layout: 32 prompts x 8 samples, each prompt prefilled once by vLLM and laid once by the trainer
+        prompts, completions, vllm_logprobs = grpo_sample(engine, config["vocab_size"], 13, questions=32,
+                                                          **(lengths or {"prompt_lens": (20, 400)}))
+        mismatched = count_mismatches(packed_logprobs(model, prompts, completions, 16384), vllm_logprobs)
+        print(f"[{name}] GRPO's layout: {sum(map(len, completions))} sampled tokens, {mismatched} differ")
         assert mismatched == 0
 

@@ -140,7 +140,7 @@ def check_the_checkpoint_serves_the_trainers_bits(ckpt: Path) -> None:
     seq = prompts[0] + completions[0]
     batch = simple_rl.pack_sequences([seq[:1]], [seq[1:]], "cpu")
     with torch.no_grad():
-        hidden = reference.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        hidden = reference.hidden_states(batch.tokens, batch.positions, batch.spans)
         ours = torch.nn.functional.linear(hidden, reference.output_weight)
         torch.testing.assert_close(ours, hf(torch.tensor([seq])).logits[0], rtol=1e-4, atol=1e-4)
 

@@ -112,8 +112,7 @@ def test_the_activations_planned_are_what_the_kernels_keep(tmp_path, experts, re
         return t
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         model(batch)
-    cu_seqlens = 4 * (len(prompts) + 1)
-    assert sum(saved.values()) - cu_seqlens == kept_bytes(model.args, len(batch.tokens), 93)
+    assert sum(saved.values()) == kept_bytes(model.args, len(batch.tokens), 93)
 
 
 def test_what_fits_eight_h200s():
@@ -132,7 +131,7 @@ def test_what_fits_eight_h200s():
     node = dict(gpus=8, gpu=H200, host=(560 * GiB, 8))
     plumbing.check_memory(qwen3(5120, 40, 40, 8, 17408), flags(), node["gpus"], H200, node["host"])  # 14B
     message = refusal(qwen3(5120, 64, 64, 8, 25600), flags(), **node)  # 32B
-    assert message.startswith("32.76B parameters do not fit: generating needs 145.1 of the GPU's 140.4 GiB")
+    assert message.startswith("32.76B parameters do not fit: generating needs 145.2 of the GPU's 140.4 GiB")
     assert message.endswith("it would fit with --activation-checkpointing or --max-tokens-per-microbatch 2048 or "
                             "--offload-optimizer --activation-checkpointing")
     plumbing.check_memory(qwen3(5120, 64, 64, 8, 25600), flags(activation_checkpointing=True), 8, H200, node["host"])

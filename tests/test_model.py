@@ -58,9 +58,9 @@ def assert_logits_match(model, hf, seqs) -> None:
     # Every token but each sequence's first as a "completion": logits at every position.
     batch = simple_rl.pack_sequences([s[:1] for s in seqs], [s[1:] for s in seqs], "cpu")
     with torch.no_grad():
-        hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+        hidden = model.hidden_states(batch.tokens, batch.positions, batch.spans)
         logits = torch.nn.functional.linear(hidden, model.output_weight)
-        bounds = batch.cu_seqlens.tolist()
+        bounds = batch.spans.cu_seqlens.tolist()
         for seq, start, end in zip(seqs, bounds, bounds[1:]):
             expected = hf(torch.tensor([seq])).logits[0]
             torch.testing.assert_close(logits[start:end], expected, rtol=1e-5, atol=1e-5)
@@ -112,6 +112,41 @@ def test_token_logprobs_and_gradients_match_reference(name):
     torch.testing.assert_close(ent, ent_ref, rtol=1e-12, atol=1e-12)
     for name in grads:
         torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize("name", ["untied-gqa", "moe"])
+@pytest.mark.parametrize("kernels", [EXACT, REFERENCE], ids=["exact", "reference"])
+def test_samples_sharing_their_prompt_get_the_logprobs_and_gradients_they_get_alone(name, kernels):
+    """GRPO's G samples of a prompt, packed together (the prompt's rows once), get the logprobs and entropies
+    they get packed apart (interleaved with another prompt's, each laid whole), and the weights the same
+    gradients: a prompt row's key and value gradients sum its readers'. float64."""
+    config = ALL_CONFIGS[name]
+    args = simple_rl.model_args_from_hf_config(config)
+    weights = simple_rl.from_hf_state_dict(random_hf_weights(config, seed=2, dtype=torch.float64), args)
+    a, b = random_sequences(config["vocab_size"], [9, 14], seed=6)
+    completions = random_sequences(config["vocab_size"], [6, 1, 11, 3, 8, 2], seed=7)
+    prompts = [a, a, a, b, b, b]
+    results = []
+    for order in ([0, 1, 2, 3, 4, 5], [0, 3, 1, 4, 2, 5]):  # together, then interleaved
+        model = simple_rl.Qwen3(args, kernels, dtype=torch.float64)
+        model.load_state_dict(weights)
+        batch = simple_rl.pack_sequences([prompts[i] for i in order], [completions[i] for i in order], "cpu")
+        assert len(batch.tokens) == (9 + 14 + 31 if order[1] == 1 else 3 * (9 + 14) + 31)
+        logprobs, entropy, *_ = model(batch)
+        scale = torch.cat([torch.linspace(-1, 1, len(completions[i]), dtype=torch.float64) + i for i in order])
+        (logprobs * scale.sin() + 0.1 * entropy).sum().backward()
+        per_sample = [logprobs.split(batch.completion_lens), entropy.split(batch.completion_lens)]
+        results.append(([torch.cat([lp[order.index(i)] for i in range(6)]) for lp in per_sample],
+                        {n: p.grad for n, p in model.named_parameters()},
+                        plumbing.routing_metrics(model, simple_rl.World())))  # each sample's rows counted
+    (together, grads, routing), (apart, grads_apart, routing_apart) = results
+    assert routing.keys() == routing_apart.keys() and (name != "moe") == (routing == {})
+    for key in routing:
+        assert routing[key] == pytest.approx(routing_apart[key], rel=1e-12), key
+    for x, y in zip(together, apart):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    for n in grads:
+        torch.testing.assert_close(grads[n], grads_apart[n], rtol=1e-9, atol=1e-11, msg=n)
 
 
 @pytest.mark.parametrize("name", ["tied-gqa", "untied-gqa", "moe"])
@@ -207,10 +242,31 @@ def test_packing_lays_sequences_back_to_back_and_reads_each_completion_token_a_r
     batch = simple_rl.pack_sequences([[1, 2, 3], [4], [10, 11]], [[5, 6], [7, 8, 9], []], "cpu")
     assert batch.tokens.tolist() == [1, 2, 3, 5, 6, 4, 7, 8, 9, 10, 11]
     assert batch.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1]
-    assert batch.cu_seqlens.dtype == torch.int32 and batch.cu_seqlens.tolist() == [0, 5, 9, 11]
-    assert batch.max_seqlen == 5 and batch.completion_lens == [2, 3, 0]
+    spans = batch.spans
+    assert spans.cu_seqlens.dtype == torch.int32 and spans.cu_seqlens.tolist() == [0, 5, 9, 11]
+    assert spans.cu_seqlens_k.tolist() == [0, 5, 9, 11] and spans.kv_rows is None
+    assert spans.max_seqlen == spans.max_seqlen_k == 5 and batch.completion_lens == [2, 3, 0]
     assert batch.target_rows.tolist() == [2, 3, 5, 6, 7] and batch.targets.tolist() == [5, 6, 7, 8, 9]
     assert all(t.dtype == torch.long for t in (batch.tokens, batch.positions, batch.target_rows, batch.targets))
+
+
+def test_samples_of_one_prompt_lay_it_once_and_each_reads_it():
+    """GRPO's samples of a prompt follow each other: the prompt's rows come once, each later sample adds its
+    completion's rows, at the positions after the prompt, and its attention span reads the prompt's rows,
+    then its own; its first token is predicted by the prompt's last row. A sample without a completion, or
+    of another prompt, lays its prompt again."""
+    batch = simple_rl.pack_sequences([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [4], [1, 2, 3]],
+                                     [[5, 6], [7, 8, 9], [], [10], [11], [12]], "cpu")
+    assert batch.tokens.tolist() == [1, 2, 3, 5, 6, 7, 8, 9, 1, 2, 3, 10, 4, 11, 1, 2, 3, 12]
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 0, 1, 2, 3, 0, 1, 0, 1, 2, 3]
+    spans = batch.spans
+    assert spans.cu_seqlens.tolist() == [0, 5, 8, 11, 12, 14, 18] and spans.max_seqlen == 5
+    assert spans.cu_seqlens_k.tolist() == [0, 5, 11, 14, 18, 20, 24] and spans.max_seqlen_k == 6
+    assert spans.kv_rows.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, 9, 10, 8, 9, 10, 11, 12, 13,
+                                      14, 15, 16, 17]
+    assert batch.target_rows.tolist() == [2, 3, 2, 5, 6, 10, 12, 16]
+    assert batch.targets.tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    assert batch.completion_lens == [2, 3, 0, 1, 1, 1]
 
 
 def test_vllm_holds_the_rotary_table_in_fp32_with_the_trainers_values():
@@ -437,16 +493,16 @@ def test_routing_metrics_count_the_training_forwards_tokens():
     batch = simple_rl.pack_sequences([s[:4] for s in seqs], [s[4:] for s in seqs], "cpu")
     with torch.no_grad():
         model(batch)
-    assert simple_rl.routing_metrics(model) == {}
+    assert plumbing.routing_metrics(model, simple_rl.World()) == {}
     model(batch).logprobs.sum().backward()
     model(batch).logprobs.sum().backward()
     assert [int(layer.moe.routed[:-1].sum()) for layer in model.layers] == [2 * 47 * 2] * 2  # tokens x k
-    metrics = simple_rl.routing_metrics(model)
+    metrics = plumbing.routing_metrics(model, simple_rl.World())
     assert sorted(metrics) == ["expert_load_max_over_mean/layer_00", "expert_load_max_over_mean/layer_01",
                                "router_entropy/layer_00", "router_entropy/layer_01"]
     assert all(1 <= metrics[f"expert_load_max_over_mean/layer_{i:02d}"] <= 6 / 2 for i in range(2))
     assert all(0 < metrics[f"router_entropy/layer_{i:02d}"] <= math.log(6) for i in range(2))
-    assert simple_rl.routing_metrics(model) == {}
+    assert plumbing.routing_metrics(model, simple_rl.World()) == {}
 
 
 def test_the_tokens_routed_to_other_experts_than_the_samplers_are_counted():

@@ -159,11 +159,19 @@ def test_k3_kl_by_hand():
 
 
 def test_micro_batches_respect_the_budget_and_keep_order():
-    lengths = [5, 5, 5, 12, 1, 1]  # prompt + completion; 12 is over the budget: a micro-batch of its own
-    prompts, completions = [[7] * (n - 1) for n in lengths], [[8] for _ in lengths]
+    lengths = [5, 5, 5, 12, 2, 2]  # prompt + completion; 12 is over the budget: a micro-batch of its own
+    prompts, completions = [[i] * (n - 1) for i, n in enumerate(lengths)], [[8] for _ in lengths]
     batches = list(simple_rl.packed_micro_batches(prompts, completions, 10, "cpu", simple_rl.World()))
     assert [idx for idx, _ in batches] == [[0, 1], [2], [3], [4, 5]]
-    assert [len(batch.tokens) for _, batch in batches] == [10, 5, 12, 2]
+    assert [len(batch.tokens) for _, batch in batches] == [10, 5, 12, 4]
+    # Samples of one prompt hold its rows once (the rows bind: 4 + 2 x 3 = 10), and read them once each: the
+    # keys stay within twice the budget (7 samples of 4 + 1 take 11 rows, but 4 samples' keys are 20).
+    for prompt, completion, groups, rows in (([7] * 4, [8] * 3, [[0, 1], [2, 3]], [10, 10]),
+                                             ([7] * 4, [8], [[0, 1, 2, 3], [4, 5, 6]], [8, 7])):
+        count = 4 if len(completion) == 3 else 7
+        batches = simple_rl.packed_micro_batches([prompt] * count, [completion] * count, 10, "cpu")
+        assert [idx for idx, _ in batches] == groups
+        assert [len(batch.tokens) for _, batch in batches] == rows
 
 
 def test_learning_rate_schedule():
@@ -928,7 +936,7 @@ class TrainerAsSampler(simple_rl.VLLMEngine):
             completion = []
             while len(completion) < n and not (completion and completion[-1] in stop_token_ids):
                 batch = simple_rl.pack_sequences([prompt + completion], [[]], "cpu")
-                hidden = self.model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+                hidden = self.model.hidden_states(batch.tokens, batch.positions, batch.spans)
                 logits = hidden[-1:].float() @ self.model.output_weight.float().t()
                 if not temperature:
                     completion.append(int(logits.argmax()))
@@ -1904,11 +1912,11 @@ def test_the_trainer_optimises_the_sampled_policy(tmp_path):
     with torch.no_grad():
         for _ in range(5):
             batch = simple_rl.pack_sequences([p + c for p, c in zip(prompts, completions)], [[]] * 2, "cpu")
-            hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
-            last = hidden[batch.cu_seqlens[1:].long() - 1]
+            hidden = model.hidden_states(batch.tokens, batch.positions, batch.spans)
+            last = hidden[batch.spans.cu_seqlens[1:].long() - 1]
             completions = [c + [int(t)] for c, t in zip(completions, (last @ model.output_weight.t()).argmax(-1))]
         batch = simple_rl.pack_sequences(prompts, completions, "cpu")
-        hidden = model.hidden_states(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)[batch.target_rows]
+        hidden = model.hidden_states(batch.tokens, batch.positions, batch.spans)[batch.target_rows]
         z = torch.nn.functional.linear(hidden, model.output_weight)
     for top_k, top_p in ((0, 1.0), (3, 1.0), (0, 0.5), (3, 0.5)):
         scaled = z / 0.7
